@@ -1,0 +1,358 @@
+"""Typed configuration: dataclasses, recipe loading, dotted overrides and validation.
+
+A recipe is a Python file defining `get_config() -> Config`; recipes derive from each other by
+calling one another's `get_config()` and changing fields. Overrides are `section.key=value`
+strings, parsed according to the field's type. `Config.validate()` checks everything that can
+be checked without devices; each error names the keys to change.
+
+This module imports nothing of ours (DESIGN.md §1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import pathlib
+import sys
+import types
+import typing
+from typing import Any, Literal, Optional, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which key to change."""
+
+
+@dataclasses.dataclass
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (HF `rope_type="llama3"`)."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    vocab_size: int = 384
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    mlp_size: int = 768
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """Mesh degrees (-1 fills the remaining devices) and how a step is split."""
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False
+    context: int = 1
+    stage: int = 1
+    virtual_stages: int = 1
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    microbatches: int = 1
+    first_stage_layers: int = 0  # 0: an even split (Megatron decoder-first-pipeline-num-layers)
+    last_stage_layers: int = 0
+    zero1: bool = False
+
+
+@dataclasses.dataclass
+class RematConfig:
+    """Megatron's recompute vocabulary on top of jax.checkpoint policies."""
+    granularity: Literal["none", "selective", "full"] = "none"
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = 0
+    modules: tuple[str, ...] = ("core_attn",)
+    offload: bool = False
+    policy: str = ""  # escape hatch: a jax.checkpoint_policies name, "save:a,b", or "auto"
+    memory_budget_gb: float = 0.0  # used by policy="auto"
+
+
+@dataclasses.dataclass
+class Fp8Config:
+    enabled: bool = False
+    recipe: Literal["delayed", "current"] = "delayed"
+    format: Literal["hybrid", "e4m3"] = "hybrid"
+    amax_history_len: int = 1024
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    margin: int = 0
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    seed: int = 0
+    workdir: str = "runs/default"
+    log_every: int = 10
+    eval_every: int = 0  # 0: no periodic eval
+    eval_batches: int = 4
+    profile_start: int = 0
+    profile_steps: int = 0  # 0: no profile
+    peak_tflops: float = 0.0  # 0: look up the device kind's peak
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: Literal["corpus", "text", "tokens"] = "corpus"
+    path: str = ""  # text: a file or folder of .txt; tokens: a .npy/.bin token file
+    tokenizer: str = "byte"  # "byte" or the path of a Hugging Face tokenizer.json
+    eval_fraction: float = 0.02
+    corpus_max_bytes: int = 8_000_000  # embedded corpus: how much of the stdlib to read
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: only at the end
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = True
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    remat: RematConfig = dataclasses.field(default_factory=RematConfig)
+    fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def validate(self) -> "Config":
+        validate(self)
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_recipe(path: str | pathlib.Path) -> Config:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file; recipes live in configs/*.py")
+    # Recipes derive from their siblings (`import llama3_base`): put their folder on the path.
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(f"jaxtrain_recipe_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config(); a recipe must return a Config")
+    cfg = module.get_config()
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not Config")
+    return cfg
+
+
+def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> Config:
+    """Recipe file + `section.key=value` overrides, validated."""
+    cfg = load_recipe(path)
+    apply_overrides(cfg, overrides)
+    return cfg.validate()
+
+
+def from_dict(d: dict) -> Config:
+    """Inverse of `Config.to_dict()` (reads a run's config.json)."""
+    return _build(Config, d, "")
+
+
+def _build(cls, d: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in d.items():
+        if key not in hints:
+            raise ConfigError(f"unknown key {prefix}{key}")
+        tp = hints[key]
+        inner = _unwrap_optional(tp)
+        if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+            kwargs[key] = _build(inner, value, f"{prefix}{key}.")
+        elif get_origin(inner) is tuple and isinstance(value, list):
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- overrides
+
+def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    for item in overrides:
+        item = item[2:] if item.startswith("--") else item
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE, e.g. --train.steps=20")
+        key, raw = item.split("=", 1)
+        if key.startswith("config."):  # ml_collections habit: --config.train.steps=20
+            key = key[len("config."):]
+        set_value(cfg, key, raw)
+    return cfg
+
+
+def set_value(cfg: Config, dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    node: Any = cfg
+    for depth, part in enumerate(parts):
+        hints = typing.get_type_hints(type(node))
+        where = ".".join(parts[:depth])
+        if part not in hints:
+            choices = sorted(hints)
+            close = difflib.get_close_matches(part, choices, n=3)
+            prefix = f"{where}." if where else ""
+            hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""
+            raise ConfigError(
+                f"unknown config key {dotted!r}{hint} "
+                f"(keys of {where or 'the config'}: {', '.join(choices)})")
+        tp = hints[part]
+        if depth == len(parts) - 1:
+            setattr(node, part, parse_value(dotted, raw, tp))
+            return
+        child = getattr(node, part)
+        if child is None:  # an optional section (e.g. model.rope_scaling): create it
+            child = _unwrap_optional(tp)()
+            setattr(node, part, child)
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(f"config key {'.'.join(parts[:depth + 1])!r} is a value, not a section")
+        node = child
+
+
+def _unwrap_optional(tp):
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def parse_value(key: str, raw: str, tp) -> Any:
+    """Parse `raw` as the field type `tp`; errors name the key and what is allowed."""
+    is_optional = type(None) in get_args(tp)
+    tp = _unwrap_optional(tp)
+    if is_optional and raw.lower() in ("none", "null", ""):
+        return None
+    origin = get_origin(tp)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if raw not in allowed:
+            close = difflib.get_close_matches(raw, allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}={raw!r} is not allowed{hint}; choose one of {', '.join(allowed)}")
+        return raw
+    if tp is bool:
+        low = raw.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={raw!r}: expected a boolean (true/false)")
+    if tp is int:
+        try:
+            return int(raw.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r}: expected an integer") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r}: expected a number") from None
+    if tp is str:
+        return raw
+    if origin is tuple:
+        return tuple(s.strip() for s in raw.split(",") if s.strip())
+    if dataclasses.is_dataclass(tp):
+        raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.{dataclasses.fields(tp)[0].name}=...")
+    raise ConfigError(f"{key}: cannot parse a value of type {tp}")
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no devices. Mesh-size checks live in sharding.validate_layout."""
+    m, p, t, r, f = cfg.model, cfg.parallel, cfg.train, cfg.remat, cfg.fp8
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_size",
+                 "max_seq_len"):
+        _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
+    _check(m.num_heads % m.num_kv_heads == 0,
+           f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
+           "grouped-query attention needs whole groups")
+    _check(m.head_dim > 0 or m.hidden_size % m.num_heads == 0,
+           f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+           "set model.head_dim explicitly")
+    _check(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even for RoPE")
+    _check(t.seq_len <= m.max_seq_len,
+           f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+           "lower train.seq_len or raise model.max_seq_len")
+    _check(t.seq_len > 0 and t.global_batch > 0 and t.steps >= 0,
+           "train.seq_len, train.global_batch must be positive and train.steps non-negative")
+    for name in ("data", "fsdp", "tensor", "context", "stage"):
+        v = getattr(p, name)
+        _check(v == -1 or v >= 1, f"parallel.{name}={v}: use a positive degree or -1 (fill)")
+    _check([getattr(p, n) for n in ("data", "fsdp", "tensor", "context", "stage")].count(-1) <= 1,
+           "only one of parallel.data/fsdp/tensor/context/stage may be -1 (fill the rest)")
+    _check(p.microbatches >= 1, f"parallel.microbatches={p.microbatches} must be >= 1")
+    _check(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
+    _check(not p.sequence_parallel or p.tensor != 1,
+           "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards the sequence "
+           "over the tensor axis); set parallel.tensor or turn sequence_parallel off")
+    _check(t.global_batch % p.microbatches == 0,
+           f"train.global_batch={t.global_batch} is not divisible by parallel.microbatches="
+           f"{p.microbatches}")
+    for dp_name in ("data", "fsdp"):
+        dp = getattr(p, dp_name)
+        if dp > 0:
+            _check(t.global_batch % (dp * p.microbatches) == 0,
+                   f"train.global_batch={t.global_batch} is not divisible by parallel.{dp_name}={dp} "
+                   f"x parallel.microbatches={p.microbatches}")
+    if p.data > 0 and p.fsdp > 0:
+        _check(t.global_batch % (p.data * p.fsdp * p.microbatches) == 0,
+               f"train.global_batch={t.global_batch} must be divisible by parallel.data x "
+               f"parallel.fsdp x parallel.microbatches = {p.data * p.fsdp * p.microbatches}")
+    _check(0 <= cfg.data.eval_fraction < 1, "data.eval_fraction must be in [0, 1)")
+    _check(t.log_every >= 1, "train.log_every must be >= 1")
+    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+    _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
+    _check(cfg.data.source == "corpus" or cfg.data.path,
+           f"data.source={cfg.data.source} needs data.path (a file or folder)")
+    _check(f.amax_history_len >= 1, "fp8.amax_history_len must be >= 1")
+    _check(f.margin >= 0, "fp8.margin must be >= 0")
+    _check(r.num_layers >= 0, "remat.num_layers must be >= 0")
