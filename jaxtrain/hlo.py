@@ -1,0 +1,703 @@
+"""Read a compiled step: collectives by kind and mesh axis, FLOPs, memory.
+
+This is the measured side of the ledger (DESIGN.md §5). Everything here works on
+`compiled.as_text()` (the optimized, SPMD-partitioned HLO of one device), so the numbers are
+what the compiler actually emitted, not what the sharding annotations suggest.
+
+Byte conventions (per device, per execution of the op):
+
+- ``bytes`` is the *payload*: the full buffer the collective acts on. all-reduce,
+  reduce-scatter, all-to-all and collective-permute: the operand size (for reduce-scatter the
+  unreduced input, i.e. the whole gradient, not the shard). all-gather: the result size (the
+  gathered buffer). This matches §5's "RS of gradients + AG of params = 2·N·2 bytes" and makes
+  payloads backend-agnostic: CPU's all-reduce-then-slice and GPU's reduce-scatter carry the
+  same payload.
+- ``wire_bytes`` is what one device sends under the ring algorithm (the bus-bandwidth
+  convention): all-reduce 2·(n−1)/n·payload, all-gather / reduce-scatter / all-to-all
+  (n−1)/n·payload, collective-permute payload × (non-self pairs / devices), a mean over devices.
+
+The CPU backend has no reduce-scatter creator pass (see shared/notes/xla-cpu-collectives.md):
+gradients of FSDP-sharded params show up as an all-reduce whose result is only dynamic-sliced
+per device. Such all-reduces carry ``sliced=True``; `reclassify_sliced_all_reduce` relabels
+them as reduce-scatters, and `payload_by_axis` compares backends without caring about kinds.
+
+Replica-group device ids in SPMD HLO are positions in the executable's device assignment,
+which for a program sharded over ``mesh`` is ``mesh.devices.flat`` — not ``Device.id``. Pass
+the mesh the step was compiled with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+class HloError(ValueError):
+    """Base class for problems reading a compiled step."""
+
+
+class HloParseError(HloError):
+    """The HLO text has a construct this reader does not understand."""
+
+
+class HloMeshMismatch(HloError):
+    """The compiled program's device groups do not fit the mesh passed in."""
+
+
+class HloAnalysisUnavailable(HloError):
+    """The backend did not provide cost or memory analysis."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op of the compiled step (async start/done pairs count once).
+
+    axes: mesh axes whose device groups equal the op's groups, in mesh order; () when every
+      group is a single device; None when the groups match no subset of mesh axes (e.g. a
+      sub-axis), in which case `replica_groups` says what they are.
+    bytes / wire_bytes: per device per execution, see the module docstring.
+    count: executions per step (product of the known trip counts of enclosing while loops).
+    count_exact: False when some enclosing loop had no known trip count (counted as 1).
+      Every branch of a conditional counts as if it ran, so counts there are upper bounds.
+    sliced: an all-reduce whose every user only takes this device's slice (CPU's stand-in
+      for a reduce-scatter).
+    """
+
+    kind: str
+    axes: tuple[str, ...] | None
+    bytes: int
+    wire_bytes: float
+    count: int
+    in_loop: bool
+    computation: str
+    op: str
+    group_size: int
+    shape: str
+    replica_groups: tuple[tuple[int, ...], ...] = ()
+    count_exact: bool = True
+    sliced: bool = False
+
+    @property
+    def bytes_per_step(self) -> int:
+        return self.bytes * self.count
+
+    @property
+    def wire_bytes_per_step(self) -> float:
+        return self.wire_bytes * self.count
+
+
+# ----------------------------------------------------------------------------- shapes
+
+_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_BITS_RE = re.compile(r"^(?:bf|f|s|u|c|tf)(\d+)")
+
+
+def _dtype_bits(dtype: str) -> int:
+    if dtype == "pred":
+        return 8
+    if dtype == "token":
+        return 0
+    m = _BITS_RE.match(dtype)
+    if not m:
+        raise HloParseError(f"unknown HLO element type {dtype!r}; extend hlo._dtype_bits")
+    return int(m.group(1))
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string; tuples sum their elements (`(f32[2], bf16[4,4]{1,0})`)."""
+    total_bits = 0
+    for dtype, dims in _ARRAY_RE.findall(shape):
+        elements = 1
+        for dim in filter(None, (d.strip() for d in dims.split(","))):
+            elements *= int(dim.removeprefix("<="))  # bounded dynamic dims count at their bound
+        total_bits += elements * _dtype_bits(dtype)
+    return math.ceil(total_bits / 8)
+
+
+# ----------------------------------------------------------------------------- module text
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    operand_shapes: list[str | None]
+    attrs: str
+
+
+@dataclasses.dataclass
+class _Computation:
+    name: str
+    is_entry: bool
+    instrs: list[_Instr]
+
+    def __post_init__(self):
+        self.by_name = {i.name: i for i in self.instrs}
+
+
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
+_INSTR_RE = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_METADATA_RE = re.compile(r",?\s*metadata=\{[^{}]*\}")
+
+
+def _matching(text: str, start: int, open_: str = "(", close: str = ")") -> int:
+    """Index of the bracket closing the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == open_:
+            depth += 1
+        elif text[i] == close:
+            depth -= 1
+            if depth == 0:
+                return i
+    raise HloParseError(f"unbalanced {open_}{close} in HLO: {text[:200]!r}")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside any brackets."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    m = _INSTR_RE.match(line)
+    if not m:
+        return None
+    name, rest = m.group(1), _METADATA_RE.sub("", m.group(2)).strip()
+    if rest.startswith("("):
+        end = _matching(rest, 0)
+        shape, rest = rest[: end + 1], rest[end + 1:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    m_op = re.match(r"([\w\-]+)\(", rest)
+    if not m_op:
+        return None
+    opcode = m_op.group(1)
+    close = _matching(rest, m_op.end() - 1)
+    operands, operand_shapes = [], []
+    for tok in _split_top(rest[m_op.end(): close]):
+        # Older printers prefix each operand with its shape: `f32[2]{0} %x`.
+        head, _, last = tok.rpartition(" ")
+        operands.append(last.lstrip("%"))
+        operand_shapes.append(head or None)
+    return _Instr(name, shape, opcode, operands, operand_shapes, rest[close + 1:])
+
+
+def parse_module(text: str) -> tuple[dict[str, _Computation], str]:
+    """Computations of an HLO module text by name, and the entry computation's name."""
+    comps: dict[str, _Computation] = {}
+    entry = None
+    current: tuple[str, bool, list[_Instr]] | None = None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER_RE.match(line)
+            if m:
+                current = (m.group(2), bool(m.group(1)), [])
+            continue
+        if line.strip() == "}":
+            name, is_entry, instrs = current
+            comps[name] = _Computation(name, is_entry, instrs)
+            entry = name if is_entry else entry
+            current = None
+            continue
+        instr = _parse_instr(line)
+        if instr is not None:
+            current[2].append(instr)
+    if entry is None:
+        raise HloParseError("no ENTRY computation found; pass the text of compiled.as_text()")
+    return comps, entry
+
+
+# ----------------------------------------------------------------------------- call graph
+
+_CALL_RE = re.compile(
+    r"\b(condition|body|calls|to_apply|branch_computations|true_computation|"
+    r"false_computation|called_computations)=(\{[^{}]*\}|%?[\w.\-]+)")
+_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+
+
+def _callees(instr: _Instr) -> list[tuple[str, int | None, bool]]:
+    """(callee, trip factor or None when unknown, is_loop) for each computation `instr` calls."""
+    # An async op's -update/-done repeat `calls=` of its -start; count the start only.
+    if instr.opcode.endswith(("-done", "-update")):
+        return []
+    out = []
+    for key, value in _CALL_RE.findall(instr.attrs):
+        names = [v.strip().lstrip("%") for v in value.strip("{}").split(",") if v.strip()]
+        if instr.opcode == "while" and key in ("body", "condition"):
+            m = _TRIP_RE.search(instr.attrs)
+            trips = int(m.group(1)) if m else None
+            out += [(n, trips, True) for n in names]
+        else:
+            out += [(n, 1, False) for n in names]
+    return out
+
+
+@dataclasses.dataclass
+class _Reach:
+    count: int = 0
+    in_loop: bool = False
+    exact: bool = True
+
+
+def _reach(comps: dict[str, _Computation], entry: str) -> dict[str, _Reach]:
+    """Executions per step of every computation, summed over call sites."""
+    callers: dict[str, list[tuple[str, int | None, bool]]] = {n: [] for n in comps}
+    for comp in comps.values():
+        for instr in comp.instrs:
+            for callee, trips, is_loop in _callees(instr):
+                if callee in callers:
+                    callers[callee].append((comp.name, trips, is_loop))
+    memo: dict[str, _Reach] = {}
+
+    def visit(name: str, stack: frozenset) -> _Reach:
+        if name in memo:
+            return memo[name]
+        if name == entry:
+            memo[name] = _Reach(1, False, True)
+            return memo[name]
+        r = _Reach()
+        for caller, trips, is_loop in callers[name]:
+            if caller in stack:
+                continue  # HLO call graphs are acyclic; guard against odd text anyway
+            c = visit(caller, stack | {name})
+            r.count += c.count * (trips if trips is not None else 1)
+            r.in_loop |= c.in_loop or is_loop
+            r.exact &= c.exact and trips is not None
+        if not callers[name]:
+            # Optimized HLO drops dead computations; an orphan means text we could not link.
+            r = _Reach(1, False, False)
+        memo[name] = r
+        return r
+
+    for name in comps:
+        visit(name, frozenset())
+    return memo
+
+
+# ----------------------------------------------------------------------------- device groups
+
+_RG_LIST_RE = re.compile(r"replica_groups=\{((?:\s*\{[\d,\s]*\}\s*,?)*)\s*\}")
+_RG_IOTA_RE = re.compile(r"replica_groups=\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
+_RG_MESH_RE = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:\s*,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?"
+    r"\s*\{([^{}]*)\}")
+_RG_MAXIMAL_RE = re.compile(r"replica_groups=maximal_mesh\[")
+_PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\s*\}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in re.findall(r"\d+", text)]
+
+
+def _iota(reshape: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
+    arr = np.arange(math.prod(reshape)).reshape(reshape)
+    return (arr.transpose(perm) if perm else arr).reshape(-1)
+
+
+def _mesh_device_ids(spec: str | None, n: int) -> np.ndarray:
+    """Flat device assignment of a mesh-form replica group (`device_ids=(...)`)."""
+    if not spec:
+        return np.arange(n)
+    spec = spec.strip()
+    m = re.fullmatch(r"\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?", spec)
+    if m:
+        return _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+    m = re.fullmatch(r"\[([\d,\s]+)\]T\(([\d,\s]+)\)", spec)
+    if m:
+        return _iota(_ints(m.group(1)), _ints(m.group(2)))
+    ids = _ints(spec)
+    if len(ids) == n:
+        return np.array(ids)
+    if math.prod(ids) == n:  # bare `[a,b]`: an untransposed iota
+        return np.arange(n)
+    raise HloParseError(f"cannot read mesh device_ids=({spec}) for {n} devices")
+
+
+def _mesh_form_groups(mesh_text: str, device_ids: str | None, axes_text: str) -> np.ndarray:
+    """Groups of `mesh['a'=2,'b'=4] {'b'}` (sub-axes `'b':(pre)size` allowed)."""
+    names, sizes = [], []
+    for name, size in re.findall(r"'?([^'=,\s]+)'?\s*=\s*(\d+)", mesh_text):
+        names.append(name)
+        sizes.append(int(size))
+    n = math.prod(sizes)
+    devices = _mesh_device_ids(device_ids, n)
+    refs = []  # (mesh dim, pre_size, size)
+    for tok in filter(None, (t.strip() for t in axes_text.split(","))):
+        m = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", tok)
+        if not m or m.group(1) not in names:
+            raise HloParseError(f"unknown mesh axis {tok!r} in replica_groups=mesh[{mesh_text}]")
+        dim = names.index(m.group(1))
+        pre, size = (int(m.group(2)), int(m.group(3))) if m.group(2) else (1, sizes[dim])
+        refs.append((dim, pre, size))
+    # Split each mesh dim (major to minor) at the sub-axis boundaries, then group over the
+    # referenced pieces in the listed order.
+    split_dims, piece_index = [], {}
+    for dim, full in enumerate(sizes):
+        bounds = {1, full}
+        for d, pre, size in refs:
+            if d == dim:
+                bounds |= {pre, pre * size}
+        bounds = sorted(bounds)
+        for lo, hi in zip(bounds, bounds[1:]):
+            piece_index[(dim, lo)] = len(split_dims)
+            split_dims.append(hi // lo)
+    grouped = [piece_index[(d, pre)] for d, pre, _ in refs]
+    others = [i for i in range(len(split_dims)) if i not in grouped]
+    group_size = math.prod(split_dims[i] for i in grouped)
+    arr = devices.reshape(split_dims).transpose(others + grouped)
+    return arr.reshape(-1, group_size)
+
+
+def parse_replica_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...] | None:
+    """Device groups of one HLO instruction line, or None when it has no `replica_groups`.
+
+    Reads the three spellings of optimized HLO: explicit lists `{{0,1},{2,3}}`, iota
+    `[4,2]<=[8]` / `[4,2]<=[2,4]T(1,0)`, and the mesh form
+    `mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}`. `{}` means all `num_devices`.
+    """
+    if (m := _RG_IOTA_RE.search(line)):
+        dims = _ints(m.group(1))
+        flat = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        groups = flat.reshape(dims[0], -1) if len(dims) == 2 else flat.reshape(1, -1)
+    elif (m := _RG_MESH_RE.search(line)):
+        groups = _mesh_form_groups(m.group(1), m.group(2), m.group(3))
+    elif _RG_MAXIMAL_RE.search(line):
+        return ((0,),)
+    elif (m := _RG_LIST_RE.search(line)):
+        lists = [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+        lists = [g for g in lists if g]
+        if not lists:
+            return (tuple(range(num_devices)),)
+        return tuple(tuple(g) for g in lists)
+    elif "replica_groups=" in line:
+        raise HloParseError(f"unrecognised replica_groups spelling in: {line.strip()[:300]}")
+    else:
+        return None
+    return tuple(tuple(int(d) for d in g) for g in groups)
+
+
+def parse_source_target_pairs(line: str) -> tuple[tuple[int, int], ...] | None:
+    """`source_target_pairs={{0,1},{1,0}}` of a collective-permute line, or None."""
+    m = _PAIRS_RE.search(line)
+    if not m:
+        return None
+    pairs = re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", m.group(1))
+    return tuple((int(a), int(b)) for a, b in pairs)
+
+
+class _MeshIndex:
+    """Device groups each subset of mesh axes induces, over logical device positions."""
+
+    def __init__(self, mesh: Any):
+        self.names = tuple(mesh.axis_names)
+        self.sizes = tuple(int(s) for s in mesh.shape.values())
+        self.size = math.prod(self.sizes)
+        positions = np.arange(self.size).reshape(self.sizes)
+        real = [i for i, s in enumerate(self.sizes) if s > 1]
+        self.by_groups: dict[frozenset, tuple[str, ...]] = {}
+        # Smallest subsets first so size-1 axes never appear in a match.
+        for k in range(len(real) + 1):
+            for subset in itertools.combinations(real, k):
+                key = self._key(self._groups(positions, subset))
+                self.by_groups.setdefault(key, tuple(self.names[i] for i in subset))
+
+    def _groups(self, positions: np.ndarray, subset: Sequence[int]) -> np.ndarray:
+        others = [i for i in range(len(self.sizes)) if i not in subset]
+        group = math.prod(self.sizes[i] for i in subset)
+        return positions.transpose(others + list(subset)).reshape(-1, group)
+
+    @staticmethod
+    def _key(groups: Iterable[Iterable[int]]) -> frozenset:
+        return frozenset(frozenset(int(d) for d in g) for g in groups)
+
+    def check(self, ids: Iterable[int], line: str) -> None:
+        top = max(ids, default=-1)
+        if top >= self.size:
+            raise HloMeshMismatch(
+                f"the compiled step addresses device {top} but the mesh has {self.size} devices "
+                f"{dict(zip(self.names, self.sizes))}; pass the mesh the step was compiled with "
+                f"(op: {line.strip()[:160]})")
+
+    def axes_for_groups(self, groups: Sequence[Sequence[int]]) -> tuple[str, ...] | None:
+        return self.by_groups.get(self._key(groups))
+
+    def axes_for_pairs(self, pairs: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+        """Mesh axes along which some source and its target differ."""
+        moved = set()
+        for src, dst in pairs:
+            a = np.unravel_index(src, self.sizes)
+            b = np.unravel_index(dst, self.sizes)
+            moved |= {i for i in range(len(self.sizes)) if a[i] != b[i]}
+        return tuple(self.names[i] for i in sorted(moved))
+
+
+def axes_for_groups(groups: Sequence[Sequence[int]], mesh: Any) -> tuple[str, ...] | None:
+    """Mesh axes whose induced device groups equal `groups` (order-insensitive), else None."""
+    return _MeshIndex(mesh).axes_for_groups(groups)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def _base_kind(opcode: str) -> str | None:
+    kind = opcode.removesuffix("-start")
+    return kind if kind in KINDS else None
+
+
+def _operand_bytes(instr: _Instr, comp: _Computation) -> int:
+    total = 0
+    operands = list(zip(instr.operands, instr.operand_shapes))
+    if instr.opcode.startswith("collective-permute") and "slice_sizes=" in instr.attrs:
+        operands = operands[:1]  # in-place form: (input, output buffer, offsets...) moves input
+    for name, shape in operands:
+        if shape is None:
+            src = comp.by_name.get(name)
+            if src is None:
+                raise HloParseError(f"operand %{name} of %{instr.name} not defined in "
+                                    f"computation {comp.name}")
+            shape = src.shape
+        total += shape_bytes(shape)
+    return total
+
+
+def _permute_groups(pairs: Sequence[tuple[int, int]]) -> list[set[int]]:
+    """Connected components of the source→target graph."""
+    comps: list[set[int]] = []
+    for a, b in pairs:
+        touching = [c for c in comps if a in c or b in c]
+        merged = {a, b}.union(*touching)
+        comps = [c for c in comps if c not in touching] + [merged]
+    return comps
+
+
+def _is_sliced(instr: _Instr, comp: _Computation, comps: dict[str, _Computation],
+               group_size: int) -> bool:
+    """True when every user of an all-reduce only keeps a 1/group_size dynamic slice."""
+    if group_size < 2:
+        return False
+    users = [u for u in comp.instrs if instr.name in u.operands]
+    if not users:
+        return False
+    full = shape_bytes(instr.shape)
+    for user in users:
+        if shape_bytes(user.shape) * group_size != full:
+            return False
+        if user.opcode == "dynamic-slice":
+            continue
+        called = [n for n, _, _ in _callees(user)] if user.opcode == "fusion" else []
+        if not any(i.opcode == "dynamic-slice" for n in called if n in comps
+                   for i in comps[n].instrs):
+            return False
+    return True
+
+
+def _wire_bytes(kind: str, payload: int, group_size: int) -> float:
+    if group_size <= 1:
+        return 0.0
+    frac = (group_size - 1) / group_size
+    return 2 * frac * payload if kind == "all-reduce" else frac * payload
+
+
+def collectives_from_text(text: str, mesh: Any) -> list[Collective]:
+    """Collectives of an optimized HLO module text (see `collectives`)."""
+    comps, entry = parse_module(text)
+    reach = _reach(comps, entry)
+    index = _MeshIndex(mesh)
+    out = []
+    for comp in comps.values():
+        for instr in comp.instrs:
+            kind = _base_kind(instr.opcode)
+            if kind is None:
+                continue
+            payload = _operand_bytes(instr, comp)
+            groups: tuple[tuple[int, ...], ...] = ()
+            sliced = False
+            if kind == "collective-permute":
+                pairs = parse_source_target_pairs(instr.attrs)
+                if pairs is None:
+                    raise HloParseError(f"collective-permute %{instr.name} has no "
+                                        f"source_target_pairs")
+                index.check((d for p in pairs for d in p), instr.attrs)
+                axes = index.axes_for_pairs(pairs)
+                moving = sum(a != b for a, b in pairs)
+                group_size = max((len(c) for c in _permute_groups(pairs)), default=1)
+                wire = payload * moving / index.size
+            else:
+                groups = parse_replica_groups(instr.attrs, index.size)
+                if groups is None:  # no attribute at all means every device
+                    groups = (tuple(range(index.size)),)
+                index.check((d for g in groups for d in g), instr.attrs)
+                axes = index.axes_for_groups(groups)
+                group_size = len(groups[0])
+                if kind == "all-gather":
+                    payload *= group_size
+                if kind == "all-reduce":
+                    sliced = _is_sliced(instr, comp, comps, group_size)
+                wire = _wire_bytes(kind, payload, group_size)
+            r = reach[comp.name]
+            out.append(Collective(
+                kind=kind, axes=axes, bytes=payload, wire_bytes=wire, count=r.count,
+                in_loop=r.in_loop, computation=comp.name, op=instr.name,
+                group_size=group_size, shape=instr.shape,
+                replica_groups=groups if axes is None else (),
+                count_exact=r.exact, sliced=sliced))
+    return out
+
+
+def collectives(compiled: Any, mesh: Any) -> list[Collective]:
+    """Every collective in a compiled step, with mesh axes, payload bytes and executions.
+
+    `compiled` is a `jax.stages.Compiled` (``jax.jit(f).lower(...).compile()``); `mesh` the
+    `jax.sharding.Mesh` its shardings use (device groups are positions in ``mesh.devices``).
+    """
+    return collectives_from_text(compiled.as_text(), mesh)
+
+
+def reclassify_sliced_all_reduce(colls: Iterable[Collective]) -> list[Collective]:
+    """Relabel CPU's all-reduce-then-slice as the reduce-scatter a GPU would emit.
+
+    Payload bytes are unchanged (both are the full unreduced operand); wire bytes become a
+    reduce-scatter's (n−1)/n·payload.
+    """
+    return [dataclasses.replace(c, kind="reduce-scatter", sliced=False,
+                                wire_bytes=_wire_bytes("reduce-scatter", c.bytes, c.group_size))
+            if c.kind == "all-reduce" and c.sliced else c for c in colls]
+
+
+def _as_axes(axes: str | Iterable[str]) -> set[str]:
+    return {axes} if isinstance(axes, str) else set(axes)
+
+
+def loop_collectives(colls: Iterable[Collective], axes: str | Iterable[str],
+                     kinds: Iterable[str] | None = None) -> list[Collective]:
+    """Collectives inside while bodies whose groups span any of `axes` (optionally of `kinds`).
+
+    E.g. ``loop_collectives(colls, ('data', 'fsdp'), kinds=('all-reduce', 'reduce-scatter'))``
+    must be empty when gradients are reduced once per step, after the microbatch loop.
+    """
+    wanted = _as_axes(axes)
+    kinds = set(kinds) if kinds is not None else None
+    return [c for c in colls if c.in_loop and c.axes and wanted & set(c.axes)
+            and (kinds is None or c.kind in kinds)]
+
+
+# ----------------------------------------------------------------------------- summaries
+
+def summary(colls: Iterable[Collective], wire: bool = False
+            ) -> dict[tuple[str, tuple[str, ...] | None], float]:
+    """Bytes per step by (kind, axes): payload bytes, or ring wire bytes when `wire`."""
+    out: dict[tuple[str, tuple[str, ...] | None], float] = {}
+    for c in colls:
+        key = (c.kind, c.axes)
+        out[key] = out.get(key, 0) + (c.wire_bytes_per_step if wire else c.bytes_per_step)
+    return out
+
+
+def payload_by_axis(colls: Iterable[Collective]) -> dict[tuple[str, ...] | None, int]:
+    """Payload bytes per step by mesh axes, whatever the kind (agrees across backends)."""
+    out: dict[tuple[str, ...] | None, int] = {}
+    for c in colls:
+        out[c.axes] = out.get(c.axes, 0) + c.bytes_per_step
+    return out
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def format_summary(colls: Sequence[Collective]) -> str:
+    """Table of collectives per step: kind, axes, ops, executions, payload and wire bytes."""
+    rows: dict[tuple[str, Any], list[float]] = {}
+    for c in colls:
+        row = rows.setdefault((c.kind, c.axes), [0, 0, 0, 0.0])
+        row[0] += 1
+        row[1] += c.count
+        row[2] += c.bytes_per_step
+        row[3] += c.wire_bytes_per_step
+    header = ("kind", "axes", "ops", "runs/step", "payload/step", "wire/step")
+    lines = [(k, "?" if a is None else (",".join(a) or "-"), str(r[0]), str(r[1]),
+              _human(r[2]), _human(r[3]))
+             for (k, a), r in sorted(rows.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
+    total = ("total", "", str(sum(r[0] for r in rows.values())),
+             str(sum(r[1] for r in rows.values())),
+             _human(sum(r[2] for r in rows.values())), _human(sum(r[3] for r in rows.values())))
+    table = [header, *lines, total]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+
+    def fmt(row):  # text columns left-aligned, numbers right-aligned
+        return "  ".join(v.ljust(w) if i < 2 else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(row, widths)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(header), rule, *map(fmt, lines), rule, fmt(total)])
+
+
+# ----------------------------------------------------------------------------- flops, memory
+
+def compiled_flops(compiled: Any) -> float:
+    """FLOPs of one execution of the compiled (per-device, partitioned) program."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception as e:  # backends without a cost model raise various errors
+        raise HloAnalysisUnavailable(f"cost_analysis() failed on this backend: {e}") from e
+    # Older jax returns a list with one dict per program, newer a single dict.
+    parts = analysis if isinstance(analysis, (list, tuple)) else [analysis]
+    flops = [p["flops"] for p in parts if p and "flops" in p]
+    if not flops:
+        raise HloAnalysisUnavailable(
+            "cost_analysis() reported no 'flops'; use the ledger's model FLOPs instead")
+    return float(sum(flops))
+
+
+_MEMORY_FIELDS = {
+    "temp_bytes": "temp_size_in_bytes",
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+    "peak_bytes": "peak_memory_in_bytes",
+}
+
+
+def memory(compiled: Any) -> dict[str, int | None]:
+    """Per-device buffer sizes from `memory_analysis()`; values are None when unavailable.
+
+    `total_bytes` = argument + output + temp − alias, the usual footprint estimate (donated
+    arguments alias outputs and are not counted twice).
+    """
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    out = {k: (getattr(stats, attr, None) if stats is not None else None)
+           for k, attr in _MEMORY_FIELDS.items()}
+    parts = [out["argument_bytes"], out["output_bytes"], out["temp_bytes"], out["alias_bytes"]]
+    out["total_bytes"] = (None if any(p is None for p in parts)
+                          else parts[0] + parts[1] + parts[2] - parts[3])
+    return out

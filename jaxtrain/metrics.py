@@ -1,0 +1,131 @@
+"""Where a run's numbers go: console line, metrics.jsonl, TensorBoard, a progress bar.
+
+Throughput figures (tokens/s, MFU, HFU) come from the ledger's formulas (DESIGN.md §5) over
+the device's nominal peak; on CPU the peak is an estimate and the log line says so.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import jax
+
+from jaxtrain.ledger.flops import hfu_flops_per_token, model_flops_per_token
+from jaxtrain.ledger.hardware import gpu_for_device_kind
+from jaxtrain.config import Config
+
+
+def peak_flops_per_device(cfg: Config) -> tuple[float, bool]:
+    """(peak FLOP/s of one device for the compute dtype, is_estimate)."""
+    if cfg.train.peak_tflops > 0:
+        return cfg.train.peak_tflops * 1e12, False
+    gpu = gpu_for_device_kind(jax.devices()[0].device_kind)
+    dtype = "fp8" if cfg.fp8.enabled and gpu.fp8_flops else cfg.model.compute_dtype
+    return gpu.peak_flops(dtype), gpu.estimate
+
+
+class Throughput:
+    """Turns wall time between logged steps into tokens/s, MFU and HFU."""
+
+    def __init__(self, cfg: Config, n_devices: int):
+        self.cfg, self.n_devices = cfg, n_devices
+        self.peak, self.peak_is_estimate = peak_flops_per_device(cfg)
+        self.model_flops = model_flops_per_token(cfg)
+        self.hardware_flops = hfu_flops_per_token(cfg)
+        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self._t, self._step = None, None
+
+    @property
+    def started(self) -> bool:
+        return self._t is not None
+
+    def start(self, step: int) -> None:
+        self._t, self._step = time.perf_counter(), step
+
+    def measure(self, step: int) -> dict:
+        now = time.perf_counter()
+        steps = step - self._step
+        dt = (now - self._t) / max(steps, 1)
+        self._t, self._step = now, step
+        tps = self.tokens_per_step / dt
+        denom = self.n_devices * self.peak
+        return {"step_time_s": dt, "tokens_per_sec": tps,
+                "tokens_per_sec_per_device": tps / self.n_devices,
+                "mfu": tps * self.model_flops / denom, "hfu": tps * self.hardware_flops / denom}
+
+
+def device_memory_gb() -> float | None:
+    stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] / 2**30
+
+
+class MetricsWriter:
+    def __init__(self, workdir: pathlib.Path, total_steps: int, enabled: bool = True,
+                 peak_is_estimate: bool = False, start_step: int = 0):
+        self.enabled = enabled
+        self.peak_note = " (CPU peak is an estimate)" if peak_is_estimate else ""
+        self._jsonl = self._tb = self._bar = None
+        if not enabled:
+            return
+        self._jsonl = open(workdir / "metrics.jsonl", "a")
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(str(workdir / "tensorboard"))
+        from tqdm import tqdm
+        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                         leave=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def write(self, step: int, metrics: dict, prefix: str = "") -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{f"{prefix}{k}": _plain(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self._tb.add_scalar(k, v, step)
+        self.console(_format_line(record, self.peak_note))
+
+    def console(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+def _plain(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def _format_line(r: dict, peak_note: str) -> str:
+    if "eval_loss" in r:
+        return f"step {r['step']:>6} | eval loss {r['eval_loss']:.4f}"
+    parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
+             f"lr {r['lr']:.2e}"]
+    if "tokens_per_sec" in r:
+        parts += [f"{r['tokens_per_sec']:,.0f} tok/s",
+                  f"{r['tokens_per_sec_per_device']:,.0f} tok/s/dev",
+                  f"{r['step_time_s'] * 1e3:.1f} ms/step",
+                  f"MFU {100 * r['mfu']:.2f}% HFU {100 * r['hfu']:.2f}%{peak_note}"]
+    if r.get("memory_gb") is not None:
+        parts.append(f"mem {r['memory_gb']:.2f} GiB")
+    return " | ".join(parts)

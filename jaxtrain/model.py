@@ -1,0 +1,267 @@
+"""Llama 3 decoder in Flax NNX: embed -> scan(Block) -> norm -> lm_head.
+
+The maths only. Every parameter carries logical axis names (DESIGN.md §3) and never a mesh
+axis; activation sharding goes through the injected `constrain(x, logical_names)`, which is the
+identity unless `sharding` provides one. Every projection matmul goes through one injectable
+`dot_general` (FP8 plugs in there). Activations carry `checkpoint_name` tags that `remat`
+policies refer to. Parameters are fp32 masters; each use casts them to `compute_dtype`.
+
+Shape letters: B batch, S sequence, D hidden, H query heads, K kv heads, G = H/K, E head dim,
+F mlp, V vocab, L layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain import attention as attention_lib
+from jaxtrain.config import ModelConfig
+
+Constrain = Callable[[jax.Array, tuple], jax.Array]
+DotGeneral = Callable[..., jax.Array]
+
+REMAT_TAGS = ("layer_input", "attn_norm", "qkv_proj", "core_attn", "attn_out", "mlp_norm",
+              "mlp_in", "mlp_act", "mlp_out")
+
+
+def _identity_constrain(x, names):
+    del names
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """What the model lets the outside world choose: how to matmul, how to shard, how to attend.
+
+    `run_layers(block_fn, x_BSD, stacked_layer_state) -> x_BSD` runs the layer stack; the
+    default is a plain scan, `remat` supplies checkpointed and grouped scans.
+    """
+    dot_general: DotGeneral = jax.lax.dot_general
+    constrain: Constrain = _identity_constrain
+    attention: Callable = attention_lib.xla_attention
+    run_layers: Optional[Callable] = None
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes, dtype):
+    value = init(rngs.params(), shape, dtype)
+    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+
+
+def _normal(std):
+    return jax.nn.initializers.normal(stddev=std)
+
+
+class Dense(nnx.Module):
+    """A projection: contracts x's last `len(in_shape)` dims with the kernel's leading dims."""
+
+    def __init__(self, in_shape, out_shape, axes, *, cfg: ModelConfig, ops: Ops, rngs, std):
+        self.kernel = _param(rngs, _normal(std), (*in_shape, *out_shape), axes,
+                             jnp.dtype(cfg.param_dtype))
+        self.n_in = len(in_shape)
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+        self.ops = ops
+
+    def __call__(self, x):
+        w = self.kernel[...].astype(self.compute_dtype)
+        n = self.n_in
+        dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
+        return self.ops.dot_general(x.astype(self.compute_dtype), w, dims)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs):
+        self.scale = _param(rngs, jax.nn.initializers.ones, (cfg.hidden_size,), ("norm",),
+                            jnp.dtype(cfg.param_dtype))
+        self.eps = cfg.norm_eps
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+
+    def __call__(self, x_BSD):
+        x = x_BSD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(self.compute_dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [E/2], with Llama 3.1's frequency-dependent scaling when configured."""
+    e = cfg.resolved_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq.astype(np.float32)
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = np.where(mid, (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq, scaled)
+    return scaled.astype(np.float32)
+
+
+def rope_tables(cfg: ModelConfig, positions_BS):
+    inv_freq = jnp.asarray(rope_frequencies(cfg))
+    angles_BSe = positions_BS.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles_BSe), jnp.sin(angles_BSe)
+
+
+def apply_rope(x_BSNE, cos_BSe, sin_BSe):
+    """Rotate-half RoPE (the Hugging Face Llama convention), computed in fp32."""
+    x = x_BSNE.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos, sin = cos_BSe[:, :, None, :], sin_BSe[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BSNE.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, rngs):
+        d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        std = 1.0 / math.sqrt(d)
+        kw = dict(cfg=cfg, ops=ops, rngs=rngs)
+        self.wq = Dense((d,), (h, e), ("embed", "heads", "head_dim"), std=std, **kw)
+        self.wk = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), std=std, **kw)
+        self.wv = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), std=std, **kw)
+        self.wo = Dense((h, e), (d,), ("heads", "head_dim", "embed"),
+                        std=1.0 / math.sqrt(h * e * 2 * cfg.num_layers), **kw)
+        self.ops = ops
+
+    def __call__(self, x_BSD, cos, sin, segment_ids_BS):
+        c = self.ops.constrain
+        q_BSHE = c(checkpoint_name(self.wq(x_BSD), "qkv_proj"), ("batch", None, "heads", None))
+        k_BSKE = c(checkpoint_name(self.wk(x_BSD), "qkv_proj"), ("batch", None, "kv_heads", None))
+        v_BSKE = c(checkpoint_name(self.wv(x_BSD), "qkv_proj"), ("batch", None, "kv_heads", None))
+        q_BSHE, k_BSKE = apply_rope(q_BSHE, cos, sin), apply_rope(k_BSKE, cos, sin)
+        o_BSHE = self.ops.attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS)
+        o_BSHE = c(checkpoint_name(o_BSHE, "core_attn"), ("batch", None, "heads", None))
+        return checkpoint_name(self.wo(o_BSHE), "attn_out")
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, rngs):
+        d, f = cfg.hidden_size, cfg.mlp_size
+        kw = dict(cfg=cfg, ops=ops, rngs=rngs)
+        self.w_gate = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d), **kw)
+        self.w_up = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d), **kw)
+        self.w_down = Dense((f,), (d,), ("mlp", "embed"),
+                            std=1.0 / math.sqrt(f * 2 * cfg.num_layers), **kw)
+        self.ops = ops
+
+    def __call__(self, x_BSD):
+        c = self.ops.constrain
+        gate_BSF = c(checkpoint_name(self.w_gate(x_BSD), "mlp_in"), ("batch", None, "mlp"))
+        up_BSF = c(checkpoint_name(self.w_up(x_BSD), "mlp_in"), ("batch", None, "mlp"))
+        h_BSF = checkpoint_name(jax.nn.silu(gate_BSF) * up_BSF, "mlp_act")
+        return checkpoint_name(self.w_down(h_BSF), "mlp_out")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, rngs):
+        self.attn_norm = RMSNorm(cfg, rngs)
+        self.attn = Attention(cfg, ops, rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs)
+        self.mlp = Mlp(cfg, ops, rngs)
+        self.ops = ops
+
+    def __call__(self, x_BSD, cos, sin, segment_ids_BS):
+        c = self.ops.constrain
+        residual = ("batch", "length", "embed")  # sequence-parallel region when SP is on
+        x_BSD = c(checkpoint_name(x_BSD, "layer_input"), residual)
+        h_BSD = c(checkpoint_name(self.attn_norm(x_BSD), "attn_norm"), residual)
+        x_BSD = x_BSD + c(self.attn(h_BSD, cos, sin, segment_ids_BS), residual)
+        h_BSD = c(checkpoint_name(self.mlp_norm(x_BSD), "mlp_norm"), residual)
+        return x_BSD + c(self.mlp(h_BSD), residual)
+
+
+def scan_layers(block_fn, x_BSD, stacked_state):
+    """The default layer runner: one scan over the stacked layers, nothing rematerialised."""
+    x_BSD, _ = jax.lax.scan(lambda x, s: (block_fn(s, x), None), x_BSD, stacked_state)
+    return x_BSD
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, ops: Ops = Ops(),
+                 real_vocab: int | None = None):
+        """`cfg.vocab_size` may be padded (Megatron's make-vocab-size-divisible-by); logits of
+        the padding ids beyond `real_vocab` are masked so the loss is that of the real vocab."""
+        self.cfg = cfg
+        self.ops = ops
+        self.real_vocab = real_vocab or cfg.vocab_size
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.embed = _param(rngs, _normal(1.0), (cfg.vocab_size, cfg.hidden_size),
+                            ("vocab", "embed"), pdt)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, ops, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, _normal(1.0 / math.sqrt(cfg.hidden_size)),
+                                  (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdt)
+
+    # The three stages of the forward pass, separately callable so a pipeline can put the
+    # embedding before and the head after its stages.
+    def embed_tokens(self, tokens_BS):
+        x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(jnp.dtype(self.cfg.compute_dtype))
+        return self.ops.constrain(x_BSD, ("batch", "length", "embed"))
+
+    def block_fn(self):
+        """(layer_state, x, cos, sin, segment_ids) -> x for one layer, and the stacked state."""
+        graphdef, state = nnx.split(self.blocks)
+
+        def apply(layer_state, x_BSD, cos, sin, segment_ids_BS):
+            return nnx.merge(graphdef, layer_state)(x_BSD, cos, sin, segment_ids_BS)
+        return apply, state
+
+    def run_blocks(self, x_BSD, positions_BS, segment_ids_BS):
+        cos, sin = rope_tables(self.cfg, positions_BS)
+        apply, state = self.block_fn()
+        block_fn = lambda s, x: apply(s, x, cos, sin, segment_ids_BS)  # noqa: E731
+        return (self.ops.run_layers or scan_layers)(block_fn, x_BSD, state)
+
+    def logits(self, x_BSD):
+        h_BSD = self.final_norm(x_BSD)
+        w_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, w_DV.astype(h_BSD.dtype),
+                                preferred_element_type=jnp.float32)
+        if self.real_vocab < self.cfg.vocab_size:
+            is_real_V = jnp.arange(self.cfg.vocab_size) < self.real_vocab
+            logits_BSV = jnp.where(is_real_V, logits_BSV, -1e30)
+        return self.ops.constrain(logits_BSV, ("batch", "length", "vocab"))
+
+    def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None):
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+        if segment_ids_BS is None:
+            segment_ids_BS = jnp.ones_like(tokens_BS)
+        x_BSD = self.embed_tokens(tokens_BS)
+        x_BSD = self.run_blocks(x_BSD, positions_BS, segment_ids_BS)
+        return self.logits(x_BSD)
+
+
+def cross_entropy_sum(logits_BSV, targets_BS, mask_BS):
+    """Summed token cross entropy in fp32 and the number of counted tokens.
+
+    Sums (not means) so microbatches and data shards combine exactly. The target logit is
+    picked with a one-hot product so a vocab-sharded logits array is reduced where it lives
+    instead of being gathered onto one device (Megatron's vocab-parallel cross entropy)."""
+    logits_BSV = logits_BSV.astype(jnp.float32)
+    lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
+    onehot_BSV = jax.nn.one_hot(targets_BS, logits_BSV.shape[-1], dtype=jnp.float32)
+    target_BS = jnp.sum(logits_BSV * onehot_BSV, axis=-1)
+    mask_BS = mask_BS.astype(jnp.float32)
+    return jnp.sum((lse_BS - target_BS) * mask_BS), jnp.sum(mask_BS)
+
+
+def count_params(state) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))

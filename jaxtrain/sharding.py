@@ -1,0 +1,243 @@
+"""The device mesh, the one logical->mesh rules table, and the shardings derived from it.
+
+Only this module knows mesh axes. The model names logical axes (DESIGN.md §3); the table below
+says where each lives, once for parameters and once for activations. All mesh axes are `Auto`
+(GSPMD propagation between the constraints we place), chosen on purpose: jax 0.10's
+`make_mesh` would otherwise default to Explicit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtrain.config import Config, ConfigError, ParallelConfig
+
+MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")  # outermost first; tensor fastest
+
+# logical axis -> (mesh axes for parameters, mesh axes for activations)
+RULES: dict[str, tuple] = {
+    "batch":    (None,     ("data", "fsdp")),
+    "length":   (None,     None),       # "tensor" in the residual stream under sequence parallelism
+    "embed":    ("fsdp",   None),
+    "heads":    ("tensor", "tensor"),
+    "kv_heads": ("tensor", "tensor"),
+    "mlp":      ("tensor", "tensor"),
+    "vocab":    ("tensor", "tensor"),
+    "head_dim": (None,     None),
+    "norm":     (None,     None),
+    "layers":   (None,     None),
+}
+
+
+class LayoutError(ConfigError):
+    """A parallel layout that cannot run on these devices; the message names the keys to change."""
+
+
+# ----------------------------------------------------------------------------- mesh
+
+def mesh_shape(parallel: ParallelConfig, n_devices: int) -> dict[str, int]:
+    sizes = {a: getattr(parallel, a) for a in MESH_AXES}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    fill = [a for a, v in sizes.items() if v == -1]
+    if fill:
+        if n_devices % fixed:
+            raise LayoutError(
+                f"{n_devices} devices are not divisible by the fixed parallel degrees "
+                f"({_fmt(sizes)}, product {fixed}); change parallel.* so their product divides "
+                f"{n_devices}")
+        sizes[fill[0]] = n_devices // fixed
+    total = math.prod(sizes.values())
+    if total != n_devices:
+        raise LayoutError(
+            f"the parallel layout {_fmt(sizes)} needs {total} devices but {n_devices} are "
+            f"available; make parallel.data*fsdp*context*tensor*stage equal {n_devices} "
+            "(or set one of them to -1 to fill)")
+    return sizes
+
+
+def _fmt(sizes):
+    return " ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    shape = mesh_shape(parallel, len(devices))
+    device_grid = np.asarray(devices).reshape(tuple(shape[a] for a in MESH_AXES))
+    return Mesh(device_grid, MESH_AXES,
+                axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Everything about the layout that can be checked before compiling."""
+    shape = mesh_shape(cfg.parallel, n_devices)
+    m, t = cfg.model, shape["tensor"]
+    if m.num_heads % t:
+        raise LayoutError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={t}; "
+                          "choose a tensor degree that divides the head count")
+    if m.num_kv_heads % t and t % m.num_kv_heads:
+        raise LayoutError(f"model.num_kv_heads={m.num_kv_heads} and parallel.tensor={t}: one must "
+                          "divide the other (KV heads are sharded, or replicated when fewer than t)")
+    if m.mlp_size % t:
+        raise LayoutError(f"model.mlp_size={m.mlp_size} is not divisible by parallel.tensor={t}")
+    dp = shape["data"] * shape["fsdp"]
+    mb = cfg.parallel.microbatches
+    if cfg.train.global_batch % (dp * mb):
+        raise LayoutError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by data*fsdp={dp} x "
+            f"parallel.microbatches={mb}; change train.global_batch or the layout")
+    if cfg.parallel.sequence_parallel and cfg.train.seq_len % t:
+        raise LayoutError(f"train.seq_len={cfg.train.seq_len} is not divisible by parallel.tensor={t}"
+                          " (sequence parallelism splits the sequence over the tensor axis)")
+    if shape["context"] > 1:
+        raise LayoutError("parallel.context > 1: context parallelism is not implemented yet; "
+                          "set parallel.context=1")
+    if shape["stage"] > 1:
+        raise LayoutError("parallel.stage > 1: pipeline parallelism is not wired into the trainer "
+                          "yet; set parallel.stage=1")
+    return shape
+
+
+def padded_vocab_size(vocab_size: int, tensor: int) -> int:
+    """Megatron's make-vocab-size-divisible-by: a multiple of 128 x tensor."""
+    multiple = 128 * tensor
+    return -(-vocab_size // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------- specs
+
+def _mesh_axes_for(name, column, mesh, dim):
+    if name is None:
+        return None
+    if name not in RULES:
+        raise KeyError(f"logical axis {name!r} has no rule; known: {', '.join(RULES)}")
+    axes = RULES[name][column]
+    if axes is None:
+        return None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    if not axes or dim % math.prod(mesh.shape[a] for a in axes):
+        return None  # not divisible (e.g. 8 KV heads on tensor=16): replicate this dim
+    return axes[0] if len(axes) == 1 else axes
+
+
+def logical_to_spec(names: Iterable, shape, mesh: Mesh, *, params: bool, overrides=None) -> P:
+    column = 0 if params else 1
+    out, used = [], set()
+    for name, dim in zip(names, shape):
+        if overrides and name in overrides:
+            axes = overrides[name]
+        else:
+            axes = _mesh_axes_for(name, column, mesh, dim)
+        flat = (axes,) if isinstance(axes, str) else (axes or ())
+        if any(a in used for a in flat):
+            axes = None
+        used.update(flat)
+        out.append(axes)
+    return P(*out)
+
+
+def logical_axes(abstract_state):
+    """Pure-dict tree of P(logical names...) from an nnx.State's `sharding_names` metadata."""
+    from flax import nnx
+    names = jax.tree.map(lambda v: P(*(v.get_metadata().get("out_sharding") or (None,) * v.ndim)),
+                         abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(names) if hasattr(names, "flat_state") or isinstance(names, nnx.State) else names
+
+
+def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False):
+    """Mesh PartitionSpecs for parameter-shaped arrays; with `zero1`, also sharded over data."""
+    def one(names, x):
+        spec = logical_to_spec(tuple(names), x.shape, mesh, params=True)
+        return add_data_axis(spec, x.shape, mesh) if zero1 else spec
+    return jax.tree.map(one, logical_tree, shape_tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def add_data_axis(spec: P, shape, mesh: Mesh) -> P:
+    """ZeRO-1: shard a (parameter-shaped) optimizer array over `data` as well, on the first dim
+    that is divisible; arrays with no such dim stay replicated over data."""
+    n = mesh.shape["data"]
+    if n == 1:
+        return spec
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (axes, dim) in enumerate(zip(parts, shape)):
+        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        if dim % (n * math.prod(mesh.shape[a] for a in flat)) == 0:
+            parts[i] = ("data", *flat) if flat else "data"
+            return P(*parts)
+    return spec
+
+
+def named(mesh: Mesh, spec_tree):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+# ----------------------------------------------------------------------------- activations
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSharding:
+    """The `constrain(x, logical_names)` the model calls, bound to a mesh.
+
+    `inside_data_vmap`: the train step vmaps over the `data` axis (so data-parallel gradient
+    reduction happens once per step); inside it `batch` maps to `fsdp` only.
+    """
+    mesh: Mesh
+    sequence_parallel: bool = False
+    inside_data_vmap: bool = False
+
+    def __call__(self, x, names):
+        overrides = {}
+        if self.sequence_parallel:
+            overrides["length"] = "tensor" if self.mesh.shape["tensor"] > 1 else None
+        if self.inside_data_vmap:
+            overrides["batch"] = "fsdp" if self.mesh.shape["fsdp"] > 1 else None
+        spec = logical_to_spec(names, x.shape, self.mesh, params=False, overrides=overrides)
+        if self.sequence_parallel and "length" in names:
+            spec = _drop_if_indivisible(spec, x.shape, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def _drop_if_indivisible(spec, shape, mesh):
+    parts = []
+    for axes, dim in zip(spec, shape):
+        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        parts.append(axes if not flat or dim % math.prod(mesh.shape[a] for a in flat) == 0 else None)
+    return P(*parts)
+
+
+def batch_spec(mesh: Mesh) -> P:
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    return P(axes if len(axes) > 1 else (axes[0] if axes else None), None)
+
+
+# ----------------------------------------------------------------------------- inspection
+
+def describe(logical_tree, shape_tree, mesh: Mesh, spec_tree=None) -> str:
+    """A table of every parameter: path, shape, logical axes, PartitionSpec, bytes per device,
+    replication factor (how many devices hold each byte)."""
+    spec_tree = spec_tree if spec_tree is not None else param_specs(logical_tree, shape_tree, mesh)
+    flat_names = jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=lambda x: isinstance(x, P))[0]
+    flat_shapes = jax.tree.leaves(shape_tree)
+    flat_specs = jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P))
+    rows = [("path", "shape", "logical axes", "spec", "bytes/device", "replicated")]
+    total = 0
+    for (path, names), x, spec in zip(flat_names, flat_shapes, flat_specs):
+        shard_factor = math.prod(mesh.shape[a] for axes in spec
+                                 for a in ((axes,) if isinstance(axes, str) else (axes or ())))
+        per_device = math.prod(x.shape) * np.dtype(x.dtype).itemsize // shard_factor
+        total += per_device
+        rows.append(("/".join(str(getattr(k, "key", k)) for k in path),
+                     "x".join(map(str, x.shape)) or "()",
+                     ",".join(str(n) for n in names), str(spec), f"{per_device:,}",
+                     str(mesh.size // shard_factor)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    mesh_txt = " ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+    lines.append(f"total parameter bytes per device: {total:,} (mesh {mesh_txt})")
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""The training loop: the one place that wires config, mesh, model, data, checkpoints and logs.
+
+    setup (mesh, abstract state, shardings) -> restore or sharded init -> loop:
+        dispatch step N, then read step N-1's metrics (the host never stalls the device)
+        log / eval / profile / checkpoint on their schedules
+    -> final checkpoint
+
+A non-finite loss stops the run before anything is saved from that state, so the last good
+checkpoint stays the latest.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+
+import jax
+import numpy as np
+
+from jaxtrain import data as data_lib
+from jaxtrain import sharding, step as step_lib
+from jaxtrain.checkpoint import Checkpointer
+from jaxtrain.config import Config
+from jaxtrain.metrics import MetricsWriter, Throughput, device_memory_gb
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=pathlib.Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def write_run_info(workdir: pathlib.Path, cfg: Config) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(cfg.to_json())
+    info = {"git_commit": git_commit(), "jax": jax.__version__,
+            "devices": [d.device_kind for d in jax.devices()][:1], "n_devices": jax.device_count(),
+            "process_count": jax.process_count()}
+    (workdir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def global_batch_array(setup, local_batch: dict) -> dict:
+    """Assemble this process's rows into global arrays sharded over (data, fsdp)."""
+    spec = sharding.batch_spec(setup.mesh)
+    sh = jax.sharding.NamedSharding(setup.mesh, spec)
+    if jax.process_count() == 1:
+        return {k: jax.device_put(np.asarray(local_batch[k]), sh) for k in step_lib.BATCH_KEYS}
+    return {k: jax.make_array_from_process_local_data(sh, np.asarray(local_batch[k]))
+            for k in step_lib.BATCH_KEYS}
+
+
+def evaluate(setup, eval_step, params, batches, n_batches: int) -> float:
+    loss_sum = count = 0.0
+    for _ in range(n_batches):
+        s, c = eval_step(params, global_batch_array(setup, next(batches)))
+        loss_sum, count = loss_sum + float(s), count + float(c)
+    return loss_sum / max(count, 1.0)
+
+
+def train(cfg: Config, *, log=print) -> dict:
+    """Run `cfg.train.steps` steps (resuming from the workdir's latest checkpoint); returns the
+    last logged metrics."""
+    workdir = pathlib.Path(cfg.train.workdir)
+    is_main = jax.process_index() == 0
+    mesh = sharding.make_mesh(cfg.parallel)
+    setup = step_lib.build(cfg, mesh)
+    tokenizer = data_lib.make_tokenizer(cfg.data)
+    data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
+    if is_main:
+        write_run_info(workdir, cfg)
+
+    train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())
+    eval_batches = (data_lib.make_batches(cfg, "eval", jax.process_index(), jax.process_count())
+                    if cfg.train.eval_every else None)
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+    latest = ckpt.latest_step() if cfg.checkpoint.resume else None
+    if latest is not None:
+        state, data_state = ckpt.restore(latest, step_lib.abstract_train_state(setup))
+        train_batches.set_state(data_state)
+        log(f"resumed from {ckpt.directory}/{latest}")
+    else:
+        state = step_lib.init_train_state(setup, cfg.train.seed)
+    start = int(state["step"])
+
+    train_step = step_lib.make_train_step(setup)
+    eval_step = step_lib.make_eval_step(setup) if eval_batches is not None else None
+    throughput = Throughput(cfg, mesh.size)
+    writer = MetricsWriter(workdir, cfg.train.steps, enabled=is_main,
+                           peak_is_estimate=throughput.peak_is_estimate, start_step=start)
+    profile_stop = cfg.train.profile_start + cfg.train.profile_steps
+    last_logged: dict = {}
+    pending = None  # (step, metrics, data_state) of the step dispatched last
+    try:
+        for step in range(start, cfg.train.steps):
+            if cfg.train.profile_steps and step == cfg.train.profile_start and is_main:
+                jax.profiler.start_trace(str(workdir / "profile"))
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                state, metrics = train_step(state, global_batch_array(setup, next(train_batches)))
+            data_state = train_batches.get_state()
+            if pending is not None:
+                last_logged = _finish(pending, cfg, throughput, writer) or last_logged
+            pending = (step, metrics, data_state)
+            writer.advance()
+            if cfg.train.profile_steps and step + 1 == profile_stop and is_main:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+            done = step + 1
+            saving = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps
+            evaluating = eval_step is not None and done % cfg.train.eval_every == 0
+            if saving or evaluating:  # these need this step's loss checked first
+                last_logged = _finish(pending, cfg, throughput, writer) or last_logged
+                pending = None
+            if evaluating:
+                loss = evaluate(setup, eval_step, state["params"], eval_batches,
+                                cfg.train.eval_batches)
+                writer.write(done, {"eval_loss": loss})
+                last_logged = {**last_logged, "eval_loss": loss}
+            if saving:
+                ckpt.save(done, state, data_state)
+        if pending is not None:
+            last_logged = _finish(pending, cfg, throughput, writer) or last_logged
+    finally:
+        ckpt.close()
+        writer.close()
+    return last_logged
+
+
+def _finish(pending, cfg: Config, throughput: Throughput, writer: MetricsWriter) -> dict | None:
+    """Check a dispatched step's loss; log it when it is a logging step."""
+    step, metrics, _ = pending
+    done = step + 1
+    loss = float(metrics["loss"])
+    if not np.isfinite(loss):
+        raise NonFiniteLossError(
+            f"loss became {loss} at step {done}; stopping without saving this state (the last "
+            "good checkpoint is kept). Lower train.lr, raise train.warmup_steps or check the data")
+    if not throughput.started:  # the first step includes compilation: time from its end
+        throughput.start(done)
+        return None
+    if done % cfg.train.log_every and done != cfg.train.steps:
+        return None
+    record = {k: float(v) for k, v in metrics.items()}
+    record.update(throughput.measure(done))
+    record["memory_gb"] = device_memory_gb()
+    writer.write(done, record)
+    return record
