@@ -23,7 +23,10 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler()})
         self.cfg = cfg
 
     def latest_step(self) -> int | None:
@@ -42,24 +45,26 @@ class Checkpointer:
 
     def _check_shapes(self, step, abstract_state):
         meta = self.manager.item_metadata(step)
-        saved = meta["state"] if meta is not None and "state" in meta else None
+        saved = meta["state"] if meta is not None else None
         if saved is None:
             return
-        saved_flat = dict(jax.tree_util.tree_flatten_with_path(saved)[0])
-        for path, want in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
-            have = saved_flat.get(path)
-            name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        saved_shapes = {_path_name(p): tuple(m.shape)
+                        for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+        wanted = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+        wanted.sort(key=lambda pw: not _path_name(pw[0]).startswith("params"))  # params first
+        for path, want in wanted:
+            name = _path_name(path)
+            have = saved_shapes.get(name)
             if have is None:
                 raise CheckpointMismatchError(
                     f"checkpoint {self.directory}/{step} has no entry {name}; it was written for "
                     "a different model or optimizer. Use a fresh train.workdir or "
                     "checkpoint.resume=false")
-            if tuple(have.shape) != tuple(want.shape):
+            if have != tuple(want.shape):
                 raise CheckpointMismatchError(
-                    f"checkpoint {self.directory}/{step}: parameter {name} has shape "
-                    f"{tuple(have.shape)} but the configured model needs {tuple(want.shape)}; "
-                    "the model config differs from the one that wrote it (compare config.json), "
-                    "or use a fresh train.workdir")
+                    f"checkpoint {self.directory}/{step}: {name} has shape {have} but the "
+                    f"configured model needs {tuple(want.shape)}; the model config differs from "
+                    "the one that wrote it (compare config.json), or use a fresh train.workdir")
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -67,3 +72,7 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)

@@ -117,6 +117,7 @@ class TrainConfig:
     eval_batches: int = 4
     profile_start: int = 0
     profile_steps: int = 0  # 0: no profile
+    exit_interval: int = 0  # Megatron's --exit-interval: save and exit when step % N == 0
     peak_tflops: float = 0.0  # 0: look up the device kind's peak
 
 
@@ -135,6 +136,7 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = True
     resume: bool = True
+    init_from: str = ""  # a `python -m jaxtrain.hf import` folder: start from those weights
 
 
 @dataclasses.dataclass

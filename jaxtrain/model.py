@@ -51,7 +51,7 @@ class Ops:
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype):
     value = init(rngs.params(), shape, dtype)
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 def _normal(std):

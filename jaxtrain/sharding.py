@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import Config, ConfigError, ParallelConfig
+from jaxtrain.config import Config, ParallelConfig
+from jaxtrain.ledger.layout import LayoutError, layout_from_config, resolve_degrees
 
 MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")  # outermost first; tensor fastest
 
@@ -34,34 +35,10 @@ RULES: dict[str, tuple] = {
 }
 
 
-class LayoutError(ConfigError):
-    """A parallel layout that cannot run on these devices; the message names the keys to change."""
-
-
-# ----------------------------------------------------------------------------- mesh
-
-def mesh_shape(parallel: ParallelConfig, n_devices: int) -> dict[str, int]:
-    sizes = {a: getattr(parallel, a) for a in MESH_AXES}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    fill = [a for a, v in sizes.items() if v == -1]
-    if fill:
-        if n_devices % fixed:
-            raise LayoutError(
-                f"{n_devices} devices are not divisible by the fixed parallel degrees "
-                f"({_fmt(sizes)}, product {fixed}); change parallel.* so their product divides "
-                f"{n_devices}")
-        sizes[fill[0]] = n_devices // fixed
-    total = math.prod(sizes.values())
-    if total != n_devices:
-        raise LayoutError(
-            f"the parallel layout {_fmt(sizes)} needs {total} devices but {n_devices} are "
-            f"available; make parallel.data*fsdp*context*tensor*stage equal {n_devices} "
-            "(or set one of them to -1 to fill)")
-    return sizes
-
-
-def _fmt(sizes):
-    return " ".join(f"{k}={v}" for k, v in sizes.items())
+def mesh_shape(parallel_cfg: Config | ParallelConfig, n_devices: int) -> dict[str, int]:
+    """Mesh degrees with the -1 filled (the ledger's arithmetic, so the two always agree)."""
+    cfg = parallel_cfg if isinstance(parallel_cfg, Config) else Config(parallel=parallel_cfg)
+    return resolve_degrees(cfg, n_devices)
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
@@ -73,26 +50,9 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
 
 
 def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
-    """Everything about the layout that can be checked before compiling."""
-    shape = mesh_shape(cfg.parallel, n_devices)
-    m, t = cfg.model, shape["tensor"]
-    if m.num_heads % t:
-        raise LayoutError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={t}; "
-                          "choose a tensor degree that divides the head count")
-    if m.num_kv_heads % t and t % m.num_kv_heads:
-        raise LayoutError(f"model.num_kv_heads={m.num_kv_heads} and parallel.tensor={t}: one must "
-                          "divide the other (KV heads are sharded, or replicated when fewer than t)")
-    if m.mlp_size % t:
-        raise LayoutError(f"model.mlp_size={m.mlp_size} is not divisible by parallel.tensor={t}")
-    dp = shape["data"] * shape["fsdp"]
-    mb = cfg.parallel.microbatches
-    if cfg.train.global_batch % (dp * mb):
-        raise LayoutError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by data*fsdp={dp} x "
-            f"parallel.microbatches={mb}; change train.global_batch or the layout")
-    if cfg.parallel.sequence_parallel and cfg.train.seq_len % t:
-        raise LayoutError(f"train.seq_len={cfg.train.seq_len} is not divisible by parallel.tensor={t}"
-                          " (sequence parallelism splits the sequence over the tensor axis)")
+    """Everything about the layout that can be checked before compiling; the mesh degrees."""
+    layout_from_config(cfg, n_devices)  # divisibility of heads, MLP, batch, sequence, layers
+    shape = mesh_shape(cfg, n_devices)
     if shape["context"] > 1:
         raise LayoutError("parallel.context > 1: context parallelism is not implemented yet; "
                           "set parallel.context=1")
@@ -100,12 +60,6 @@ def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
         raise LayoutError("parallel.stage > 1: pipeline parallelism is not wired into the trainer "
                           "yet; set parallel.stage=1")
     return shape
-
-
-def padded_vocab_size(vocab_size: int, tensor: int) -> int:
-    """Megatron's make-vocab-size-divisible-by: a multiple of 128 x tensor."""
-    multiple = 128 * tensor
-    return -(-vocab_size // multiple) * multiple
 
 
 # ----------------------------------------------------------------------------- specs

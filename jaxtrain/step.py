@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -21,7 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain import attention as attention_lib
 from jaxtrain import model as model_lib
 from jaxtrain import optim, remat, sharding
+from jaxtrain.checkpoint import CheckpointMismatchError
 from jaxtrain.config import Config
+from jaxtrain.ledger.memory import padded_vocab
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -59,7 +62,7 @@ def build(cfg: Config, mesh: Mesh) -> Setup:
     layout = sharding.validate_layout(cfg, mesh.size)
     remat.validate(cfg.remat, cfg.model.num_layers // layout["stage"])
     model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=sharding.padded_vocab_size(cfg.model.vocab_size, layout["tensor"]))
+        cfg.model, vocab_size=padded_vocab(cfg.model.vocab_size, layout["tensor"]))
     ops = make_ops(cfg, mesh)
     abstract = nnx.eval_shape(lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(0), ops=ops,
                                                       real_vocab=cfg.model.vocab_size))
@@ -115,8 +118,31 @@ def init_train_state(setup: Setup, seed: int):
         params = nnx.to_pure_dict(nnx.state(model))
         return {"params": params, "opt_state": setup.optimizer.init(params),
                 "step": jnp.zeros((), jnp.int32)}
-    with jax.sharding.use_mesh(setup.mesh) if hasattr(jax.sharding, "use_mesh") else setup.mesh:
-        return jax.jit(init, out_shardings=out_shardings)()
+    return jax.jit(init, out_shardings=out_shardings)()
+
+
+def train_state_from_params(setup, params: dict):
+    """A fresh train state (step 0, new optimizer state) around `params`, on `setup`'s
+    shardings: how a run starts from imported weights. Pads the vocab to the setup's."""
+    abstract = abstract_train_state(setup)
+    want = dict(jax.tree_util.tree_flatten_with_path(abstract["params"])[0])
+    have = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for key_path, spec in want.items():
+        name = jax.tree_util.keystr(key_path)
+        if key_path not in have:
+            raise CheckpointMismatchError(f"params have no {name}; they were made for another model")
+        if tuple(have[key_path].shape) != tuple(spec.shape):
+            raise CheckpointMismatchError(f"params {name} has shape {tuple(have[key_path].shape)} but "
+                                    f"the configured model needs {tuple(spec.shape)}")
+
+    def place(spec, x):
+        x = np.asarray(x).astype(spec.dtype)
+        return jax.make_array_from_callback(spec.shape, spec.sharding, lambda idx: x[idx])
+    placed = jax.tree.map(place, abstract["params"], params)
+    shardings = jax.tree.map(lambda s: s.sharding, abstract)
+    opt_state = jax.jit(setup.optimizer.init, out_shardings=shardings["opt_state"])(placed)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])
+    return {"params": placed, "opt_state": opt_state, "step": step}
 
 
 def split_microbatches(batch, n_data: int, m: int):
@@ -135,11 +161,9 @@ def loss_sums(setup: Setup, params, mb):
     return model_lib.cross_entropy_sum(logits, mb["targets"], mb["loss_mask"])
 
 
-def _vg(setup, params, mb):
-    return jax.value_and_grad(lambda p: loss_sums(setup, p, mb), has_aux=True)(params)
-
-
-def make_train_step(setup: Setup):
+def loss_and_grads(setup: Setup):
+    """`fn(params, batch) -> (loss, tokens, grads)` for a whole global batch: microbatch
+    accumulation with one data-parallel reduction at the end (the module docstring)."""
     cfg, mesh = setup.cfg, setup.mesh
     n_data, m = mesh.shape["data"], cfg.parallel.microbatches
     compute_dtype = jnp.dtype(cfg.model.compute_dtype)
@@ -147,17 +171,15 @@ def make_train_step(setup: Setup):
         lambda sh: NamedSharding(mesh, P("data", *sh.spec)), setup.compute_shardings)
 
     def per_replica(params, mb):
-        (s, c), g = _vg(setup, params, mb)
+        (s, c), g = jax.value_and_grad(lambda p: loss_sums(setup, p, mb), has_aux=True)(params)
         return s, c, g
     replica_grads = jax.vmap(per_replica, in_axes=(None, 0), spmd_axis_name="data")
 
-    def train_step(state, batch):
-        params = state["params"]
+    def fn(params, batch):
         if cfg.parallel.zero1:
             # Distributed optimizer: gather a compute-dtype copy once per step.
             params = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
                 p.astype(compute_dtype), sh), params, setup.compute_shardings)
-        mbs = split_microbatches(batch, n_data, m)
 
         def accumulate(carry, mb):
             loss_acc, count_acc, grad_acc = carry
@@ -169,22 +191,46 @@ def make_train_step(setup: Setup):
         zeros = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
             jnp.zeros((n_data, *p.shape), jnp.float32), sh), params, acc_shardings)
         init = (jnp.zeros((n_data,), jnp.float32), jnp.zeros((n_data,), jnp.float32), zeros)
-        (loss_sum, count, grad_sum), _ = jax.lax.scan(accumulate, init, mbs)
+        (loss_sum, count, grad_sum), _ = jax.lax.scan(
+            accumulate, init, split_microbatches(batch, n_data, m))
         # The one data-parallel reduction of the step.
         total = jnp.maximum(jnp.sum(count), 1.0)
         grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(
             jnp.sum(g, axis=0) / total, sh), grad_sum, setup.param_shardings)
-        updates, opt_state = setup.optimizer.update(grads, state["opt_state"], state["params"])
-        new_params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": jnp.sum(loss_sum) / total, "grad_norm": optax.global_norm(grads),
-                   "lr": optim.learning_rate(cfg.train)(state["step"]), "tokens": jnp.sum(count)}
-        return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return jnp.sum(loss_sum) / total, jnp.sum(count), grads
+    return fn
 
+
+def _shardings(setup: Setup):
     abstract = abstract_train_state(setup)
     state_sh = jax.tree.map(lambda s: s.sharding, abstract)
-    batch_sh = {k: NamedSharding(mesh, sharding.batch_spec(mesh)) for k in BATCH_KEYS}
+    batch_sh = {k: NamedSharding(setup.mesh, sharding.batch_spec(setup.mesh)) for k in BATCH_KEYS}
+    return state_sh, batch_sh
+
+
+def make_grad_step(setup: Setup):
+    """Jitted `(params, batch) -> (loss, tokens, grads)`: the train step without the update,
+    for layout comparisons and inspection."""
+    state_sh, batch_sh = _shardings(setup)
+    return jax.jit(loss_and_grads(setup), in_shardings=(state_sh["params"], batch_sh),
+                   out_shardings=(None, None, state_sh["params"]))
+
+
+def make_train_step(setup: Setup, *, donate: bool = True):
+    cfg = setup.cfg
+    compute = loss_and_grads(setup)
+
+    def train_step(state, batch):
+        loss, tokens, grads = compute(state["params"], batch)
+        updates, opt_state = setup.optimizer.update(grads, state["opt_state"], state["params"])
+        new_params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": optim.learning_rate(cfg.train)(state["step"]), "tokens": tokens}
+        return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    state_sh, batch_sh = _shardings(setup)
     return jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
-                   donate_argnums=(0,))
+                   donate_argnums=(0,) if donate else ())
 
 
 def make_eval_step(setup: Setup):

@@ -84,6 +84,12 @@ def train(cfg: Config, *, log=print) -> dict:
         state, data_state = ckpt.restore(latest, step_lib.abstract_train_state(setup))
         train_batches.set_state(data_state)
         log(f"resumed from {ckpt.directory}/{latest}")
+    elif cfg.checkpoint.init_from:
+        from jaxtrain import hf
+        params, _ = hf.load_params(cfg.checkpoint.init_from)
+        params = hf.pad_vocab(params, setup.model_cfg.vocab_size)
+        state = step_lib.train_state_from_params(setup, params)
+        log(f"initialised from {cfg.checkpoint.init_from}")
     else:
         state = step_lib.init_train_state(setup, cfg.train.seed)
     start = int(state["step"])
@@ -111,7 +117,9 @@ def train(cfg: Config, *, log=print) -> dict:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
             done = step + 1
-            saving = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps
+            exiting = bool(cfg.train.exit_interval) and done % cfg.train.exit_interval == 0
+            saving = ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+                      or done == cfg.train.steps or exiting)
             evaluating = eval_step is not None and done % cfg.train.eval_every == 0
             if saving or evaluating:  # these need this step's loss checked first
                 last_logged = _finish(pending, cfg, throughput, writer) or last_logged
@@ -123,6 +131,9 @@ def train(cfg: Config, *, log=print) -> dict:
                 last_logged = {**last_logged, "eval_loss": loss}
             if saving:
                 ckpt.save(done, state, data_state)
+            if exiting and done < cfg.train.steps:
+                writer.console(f"exiting at step {done} (train.exit_interval); rerun to resume")
+                break
         if pending is not None:
             last_logged = _finish(pending, cfg, throughput, writer) or last_logged
     finally:

@@ -1,0 +1,194 @@
+"""Causal attention throughput: jaxtrain's Pallas flash attention vs cuDNN vs XLA.
+
+    python bench/attention.py                      # GPU: seq 1k..16k, D=128, bf16
+    python bench/attention.py --quick              # CPU smoke test (Pallas interpret mode)
+    python bench/attention.py --kv-heads 2 --block-q 128 --block-k 64
+
+FLOP convention (FlashAttention-2's benchmark): a causal forward counts 4*B*S*S*H*D/2 (two matmuls,
+half the score matrix); the backward counts 2.5x the forward (five matmuls), so forward+backward
+counts 3.5x the forward (--fwd-bwd-factor changes this). "fwd+bwd" times one jitted
+jax.grad step, which runs the forward and the backward. Recompute inside the kernels is not
+counted. Also reported: max |difference| of output and gradients against XLA, where XLA fits.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxtrain.pallas_kernels import flash_attention  # noqa: E402
+
+IMPLS = ("pallas", "cudnn", "xla")
+
+
+def causal_fwd_flops(B, S, H, D):
+  return 4 * B * S * S * H * D / 2
+
+
+def _attention_fn(impl, args):
+  if impl == "pallas":
+    blocks = dict(block_q=args.block_q, block_k=args.block_k, block_q_bwd=args.block_q_bwd,
+                  block_k_bwd=args.block_k_bwd)
+    return lambda q, k, v: flash_attention(q, k, v, causal=True, **blocks)
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                      implementation=impl)
+
+
+def _skip_reason(impl):
+  if impl == "cudnn" and jax.default_backend() != "gpu":
+    return f"cuDNN needs a CUDA GPU; the default backend is {jax.default_backend()}"
+  return None
+
+
+def _time(fn, inputs, warmup, iters):
+  """(compile seconds, median seconds per call, result of the last call)."""
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(*inputs))
+  compile_s = time.perf_counter() - t0
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*inputs))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*inputs))
+    times.append(time.perf_counter() - t0)
+  return compile_s, statistics.median(times), out
+
+
+def _short_error(e: Exception) -> str:
+  text = f"{type(e).__name__}: {e}".splitlines()[0]
+  if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+    return "out of memory"
+  return text[:90]
+
+
+def _max_diff(a, b):
+  if a is None or b is None:
+    return None
+  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def run(args):
+  dtype = jnp.dtype(args.dtype)
+  D, H, K = args.head_dim, args.heads, args.kv_heads
+  rows = []
+  skipped = {}
+  for S in args.seq_lens:
+    B = max(1, args.tokens // S)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, S, H, D)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
+    do = jnp.asarray(rng.standard_normal((B, S, H, D)), dtype)
+    fwd_flops = causal_fwd_flops(B, S, H, D)
+    results = {}
+    for impl in args.impls:
+      reason = _skip_reason(impl)
+      if reason:
+        skipped[impl] = reason
+        continue
+      attn = _attention_fn(impl, args)
+      fwd = jax.jit(attn)
+      # sum(out * do) gives the backward a dense random cotangent.
+      loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+      fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+      row = dict(S=S, B=B, impl=impl)
+      for mode, fn, flops in (("fwd", fwd, fwd_flops),
+                              ("fwd_bwd", fwd_bwd, fwd_flops * args.fwd_bwd_factor)):
+        if args.fwd_only and mode == "fwd_bwd":
+          continue
+        try:
+          compile_s, sec, out = _time(fn, (q, k, v), args.warmup, args.iters)
+          row[mode] = (sec * 1e3, flops / sec / 1e12)
+          if S <= args.check_max_seq:
+            results[(impl, mode)] = out
+        except Exception as e:  # noqa: BLE001 - a failed cell is reported, not fatal
+          row[mode] = _short_error(e)
+      rows.append(row)
+    for row in rows:
+      if row["S"] != S:
+        continue
+      for mode in ("fwd", "fwd_bwd"):
+        diff = _max_diff(results.get((row["impl"], mode)), results.get(("xla", mode)))
+        row[mode + "_diff"] = diff
+    print(f"  done seq {S}", file=sys.stderr, flush=True)
+  return rows, skipped
+
+
+def _cell(value):
+  if value is None:
+    return "-"
+  if isinstance(value, str):
+    return value
+  ms, tflops = value
+  return f"{ms:.3f} ms / {tflops:.3g}"
+
+
+def print_table(args, rows, skipped):
+  device = jax.devices()[0]
+  print(f"\nCausal attention, {args.dtype}, heads {args.heads}, kv heads {args.kv_heads}, "
+        f"head_dim {args.head_dim}, batch = {args.tokens} tokens // seq; device "
+        f"{device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+  print(f"FLOPs: fwd = 4*B*S^2*H*D/2, fwd+bwd = {args.fwd_bwd_factor}x fwd. "
+        f"Cells: median time / TFLOP/s. diff: max |impl - xla| over output (fwd) or grads.\n")
+  print("| seq | batch | impl | fwd | fwd+bwd | fwd diff | grad diff |")
+  print("|---:|---:|---|---:|---:|---:|---:|")
+  fmt = lambda d: "-" if d is None else f"{d:.2e}"
+  for r in rows:
+    print(f"| {r['S']} | {r['B']} | {r['impl']} | {_cell(r.get('fwd'))} | "
+          f"{_cell(r.get('fwd_bwd'))} | {fmt(r.get('fwd_diff'))} | {fmt(r.get('fwd_bwd_diff'))} |")
+  for impl, reason in skipped.items():
+    print(f"\n{impl}: skipped ({reason})")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384",
+                 type=lambda s: [int(x) for x in s.split(",")])
+  p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seq")
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--impls", default=",".join(IMPLS), type=lambda s: s.split(","))
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--fwd-only", action="store_true")
+  p.add_argument("--fwd-bwd-factor", type=float, default=3.5,
+                 help="fwd+bwd FLOPs as a multiple of forward FLOPs (FA2 convention: 3.5)")
+  p.add_argument("--check-max-seq", type=int, default=4096,
+                 help="compare against XLA up to this sequence length")
+  for name in ("block-q", "block-k", "block-q-bwd", "block-k-bwd"):
+    p.add_argument(f"--{name}", type=int, default=None, help="Pallas tile size (default: auto)")
+  p.add_argument("--quick", action="store_true",
+                 help="tiny shapes and few iterations (CPU smoke test in interpret mode)")
+  args = p.parse_args(argv)
+  if args.kv_heads is None:
+    args.kv_heads = args.heads
+  bad = [i for i in args.impls if i not in IMPLS]
+  if bad:
+    p.error(f"unknown --impls {bad}; choose from {IMPLS}")
+  if args.quick:
+    args.seq_lens, args.tokens, args.heads = [128], 128, 2
+    args.kv_heads = min(args.kv_heads, 2)
+    args.iters, args.warmup = 2, 1
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  rows, skipped = run(args)
+  print_table(args, rows, skipped)
+
+
+if __name__ == "__main__":
+  main()

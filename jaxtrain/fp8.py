@@ -1,0 +1,389 @@
+"""FP8 dot_general with Transformer Engine's delayed scaling (and current scaling).
+
+Scale convention (TE's): `fp8 = clip(x * scale, +-fp8_max)`, `x ~ fp8 * scale_inv`. Each matmul
+owns an `Fp8Meta`: one `TensorMeta` (scale, scale_inv, amax_history) per tensor role, input `x`,
+kernel `w` and output gradient `g`. Slot 0 of a history accumulates the current step's amax;
+`amax_and_scale_update` is TE's `delayed_scaling.cu` kernel (window max ignoring NaN or the most
+recent amax, keep the old scale on a zero/non-finite amax, clamp an infinite scale to FLT_MAX, then
+roll: new[i] = old[i+1], new[L-1] = old[0], new[0] = 0). A step quantizes with the scale computed
+at the end of the previous step (the one-step delay of delayed scaling).
+
+The amaxes are observed inside the matmul, the output-gradient one only in the backward pass, so
+they leave through the cotangent of `meta` (flax's "overwrite with gradient" pattern). That
+cotangent is an *observation*, not a new meta, so that sums JAX makes when a meta is used more
+than once stay decodable: per role `scale` holds a use count and `amax_history[0]` the summed amax.
+`apply_meta_update` divides one by the other: exact for repeated identical uses (a shared op on
+the same data, remat), robust to scaling the whole gradient (microbatch averaging), and the mean
+for different data. For an exact max over microbatches, combine their meta gradients with
+`combine_meta_grads` or feed the microbatches slices of `replicate_meta(meta, n)`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain.config import ConfigError, Fp8Config
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+FLT_MAX = float(np.finfo(np.float32).max)
+# cuBLASLt FP8 GEMMs need 16-aligned contracting and output feature sizes.
+FP8_ALIGN = 16
+# Suggested flax variable collection for metas (kept out of "params" and out of optax).
+COLLECTION = "fp8_meta"
+
+
+class Fp8Error(ValueError):
+    """An FP8 matmul that cannot run as asked (shapes, meta layout)."""
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+@flax.struct.dataclass
+class TensorMeta:
+    """Delayed-scaling state of one tensor role; leaves may carry leading (e.g. layer) dims."""
+    scale: jax.Array         # f32[...]
+    scale_inv: jax.Array     # f32[...]
+    amax_history: jax.Array  # f32[..., L]
+
+
+@flax.struct.dataclass
+class Fp8Meta:
+    """The three TensorMetas one fp8 matmul owns: input x, kernel w, output gradient g."""
+    x: TensorMeta
+    w: TensorMeta
+    g: TensorMeta
+
+
+def is_fp8_meta(node: Any) -> bool:
+    return isinstance(node, Fp8Meta)
+
+
+class Recipe(NamedTuple):
+    """Fp8Config, validated and hashable (a static argument of the custom_vjp)."""
+    current: bool
+    fwd_dtype: Any
+    bwd_dtype: Any
+    margin: int
+    algo: str
+    history_len: int
+
+
+def recipe_of(cfg: Fp8Config) -> Recipe:
+    if cfg.recipe not in ("delayed", "current"):
+        raise ConfigError(f"fp8.recipe={cfg.recipe!r} is unknown; choose delayed or current")
+    if cfg.format not in ("hybrid", "e4m3"):
+        raise ConfigError(f"fp8.format={cfg.format!r} is unknown; choose hybrid (E4M3 forward, "
+                          "E5M2 gradients) or e4m3")
+    if cfg.amax_compute_algo not in ("max", "most_recent"):
+        raise ConfigError(f"fp8.amax_compute_algo={cfg.amax_compute_algo!r} is unknown; "
+                          "choose max or most_recent")
+    if cfg.amax_history_len < 1 or cfg.margin < 0:
+        raise ConfigError("fp8.amax_history_len must be >= 1 and fp8.margin >= 0")
+    bwd = E5M2 if cfg.format == "hybrid" else E4M3
+    return Recipe(cfg.recipe == "current", E4M3, bwd, int(cfg.margin), cfg.amax_compute_algo,
+                  int(cfg.amax_history_len))
+
+
+def init_meta(cfg: Fp8Config, batch_shape: tuple[int, ...] = ()) -> Fp8Meta:
+    """Scale 1 and an empty history per role; `batch_shape` prepends e.g. a layer dim."""
+    length = recipe_of(cfg).history_len
+
+    def role():
+        return TensorMeta(jnp.ones(batch_shape, jnp.float32), jnp.ones(batch_shape, jnp.float32),
+                          jnp.zeros((*batch_shape, length), jnp.float32))
+    return Fp8Meta(role(), role(), role())
+
+
+# ----------------------------------------------------------------------------- scale math
+
+def compute_scale(amax, scale, fp8_max_value: float, margin: int = 0) -> jax.Array:
+    """TE: fp8_max / 2**margin / amax if amax is finite and > 0, else the old scale; no inf."""
+    amax = jnp.asarray(amax, jnp.float32)
+    scale = jnp.asarray(scale, jnp.float32)
+    scaled_max = jnp.float32(fp8_max_value * 2.0 ** -margin)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    new = jnp.where(ok, scaled_max / jnp.where(ok, amax, 1.0), scale)
+    # A tiny amax overflows the scale; TE clamps it so scale_inv stays non-zero and no NaN appears.
+    return jnp.where(jnp.isinf(new), jnp.float32(FLT_MAX), new)
+
+
+def amax_and_scale_update(amax_history, scale, fp8_max_value: float, margin: int = 0,
+                          algo: str = "max") -> tuple[jax.Array, jax.Array]:
+    """TE's amax_and_scale_update on f32[..., L] histories whose slot 0 holds this step's amax.
+
+    Returns (rolled history with slot 0 reset, scale for the next step).
+    """
+    history = jnp.asarray(amax_history, jnp.float32)
+    if algo == "max":
+        # The kernel reduces with fmaxf from 0, which skips NaN entries.
+        amax = jnp.max(jnp.where(jnp.isnan(history), 0.0, history), axis=-1)
+        amax = jnp.maximum(amax, 0.0)
+    elif algo == "most_recent":
+        amax = history[..., 0]
+    else:
+        raise ConfigError(f"fp8.amax_compute_algo={algo!r} is unknown; choose max or most_recent")
+    new_scale = compute_scale(amax, scale, fp8_max_value, margin)
+    new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(0.0)
+    return new_history, new_scale
+
+
+def quantize(x, scale, q_dtype) -> jax.Array:
+    """clip(x * scale, +-fp8_max) cast to `q_dtype`, computed in f32 as TE does."""
+    limit = fp8_max(q_dtype)
+    return jnp.clip(x.astype(jnp.float32) * scale, -limit, limit).astype(q_dtype)
+
+
+def _amax(x) -> jax.Array:
+    # abs and max are exact in any float dtype: reduce before the f32 cast.
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- dot transposes
+
+def _free_dims(ndim, contracting, batch):
+    return [i for i in range(ndim) if i not in contracting and i not in batch]
+
+
+def _transpose_lhs(g, rhs, lhs_ndim, dimension_numbers):
+    """d lhs of dot_general(lhs, rhs) given output cotangent g, accumulated in f32."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    l_free = _free_dims(lhs_ndim, lc, lb)
+    r_free = _free_dims(rhs.ndim, rc, rb)
+    nb, nl = len(lb), len(l_free)
+    g_r = tuple(range(nb + nl, g.ndim))
+    raw = jax.lax.dot_general(g, rhs, ((g_r, tuple(r_free)), (tuple(range(nb)), tuple(rb))),
+                              preferred_element_type=jnp.float32)
+    # raw dims: batch, lhs free, then rhs contracting dims in ascending rhs order.
+    src = list(lb) + l_free + [lc[k] for k in np.argsort(rc)]
+    return jax.lax.transpose(raw, tuple(int(i) for i in np.argsort(src)))
+
+
+def _transpose_rhs(g, lhs, rhs_ndim, dimension_numbers):
+    """d rhs of dot_general(lhs, rhs) given output cotangent g, accumulated in f32."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    l_free = _free_dims(lhs.ndim, lc, lb)
+    r_free = _free_dims(rhs_ndim, rc, rb)
+    nb, nl = len(lb), len(l_free)
+    g_l = tuple(range(nb, nb + nl))
+    raw = jax.lax.dot_general(g, lhs, ((g_l, tuple(l_free)), (tuple(range(nb)), tuple(lb))),
+                              preferred_element_type=jnp.float32)
+    # raw dims: batch, rhs free, then lhs contracting dims in ascending lhs order.
+    src = list(rb) + r_free + [rc[k] for k in np.argsort(lc)]
+    return jax.lax.transpose(raw, tuple(int(i) for i in np.argsort(src)))
+
+
+# ----------------------------------------------------------------------------- the matmul
+
+class _Static(NamedTuple):
+    dimension_numbers: tuple
+    recipe: Recipe
+    out_dtype: Any
+    lhs_dtype: Any
+    rhs_dtype: Any
+
+
+def _step_scale(recipe: Recipe, amax, role: TensorMeta, q_dtype):
+    """(scale, scale_inv) this step: the stored ones, or from the tensor itself (current)."""
+    if recipe.current:
+        scale = compute_scale(amax, role.scale, fp8_max(q_dtype), recipe.margin)
+        return scale, 1.0 / scale
+    return role.scale, role.scale_inv
+
+
+def _observation(amax, length) -> TensorMeta:
+    return TensorMeta(scale=jnp.ones((), jnp.float32), scale_inv=jnp.zeros((), jnp.float32),
+                      amax_history=jnp.zeros((length,), jnp.float32).at[0].set(amax))
+
+
+def _fp8_fwd(st: _Static, lhs, rhs, meta: Fp8Meta):
+    r = st.recipe
+    amax_x, amax_w = _amax(lhs), _amax(rhs)
+    sx, inv_x = _step_scale(r, amax_x, meta.x, r.fwd_dtype)
+    sw, inv_w = _step_scale(r, amax_w, meta.w, r.fwd_dtype)
+    qx, qw = quantize(lhs, sx, r.fwd_dtype), quantize(rhs, sw, r.fwd_dtype)
+    out = jax.lax.dot_general(qx, qw, st.dimension_numbers, preferred_element_type=jnp.float32)
+    out = (out * (inv_x * inv_w)).astype(st.out_dtype)
+    res = (qx, qw, inv_x, inv_w, meta.g, amax_x, amax_w)
+    return out, res
+
+
+def _fp8_bwd(st: _Static, res, g):
+    r = st.recipe
+    qx, qw, inv_x, inv_w, g_meta, amax_x, amax_w = res
+    amax_g = _amax(g)
+    sg, inv_g = _step_scale(r, amax_g, g_meta, r.bwd_dtype)
+    qg = quantize(g, sg, r.bwd_dtype)
+    dx = _transpose_lhs(qg, qw, qx.ndim, st.dimension_numbers) * (inv_g * inv_w)
+    dw = _transpose_rhs(qg, qx, qw.ndim, st.dimension_numbers) * (inv_g * inv_x)
+    length = g_meta.amax_history.shape[-1]
+    meta_ct = Fp8Meta(_observation(amax_x, length), _observation(amax_w, length),
+                      _observation(amax_g, length))
+    return dx.astype(st.lhs_dtype), dw.astype(st.rhs_dtype), meta_ct
+
+
+_fp8_dot = jax.custom_vjp(lambda st, lhs, rhs, meta: _fp8_fwd(st, lhs, rhs, meta)[0],
+                          nondiff_argnums=(0,))
+_fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def _normalize_dimension_numbers(dimension_numbers):
+    (lc, rc), (lb, rb) = dimension_numbers
+    return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+            (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
+
+
+def _check(lhs, rhs, dimension_numbers, meta, name):
+    if not is_fp8_meta(meta):
+        raise Fp8Error(f"{name}: meta must be an fp8.Fp8Meta, got {type(meta).__name__}")
+    for role_name in ("x", "w", "g"):
+        role = getattr(meta, role_name)
+        if np.shape(role.scale) != () or np.ndim(role.amax_history) != 1:
+            raise Fp8Error(
+                f"{name}: meta.{role_name} has scale shape {np.shape(role.scale)} and history "
+                f"shape {np.shape(role.amax_history)}; pass one matmul's meta (scalar scale, [L] "
+                "history): slice a layer-stacked meta, e.g. by scanning over it")
+    for arr, which in ((lhs, "lhs"), (rhs, "rhs")):
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise Fp8Error(f"{name}: {which} dtype {arr.dtype} is not floating point")
+    (lc, rc), (lb, rb) = dimension_numbers
+    k = math.prod(lhs.shape[i] for i in lc)
+    n = math.prod(rhs.shape[i] for i in _free_dims(rhs.ndim, rc, rb))
+    if k % FP8_ALIGN or n % FP8_ALIGN:
+        raise Fp8Error(
+            f"{name}: an fp8 matmul needs the contracting size (K={k}) and the output feature size "
+            f"(N={n}) to be multiples of {FP8_ALIGN} (FP8 GEMM alignment); change the model "
+            "dimension or keep this layer in bf16")
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                    out_sharding=None, *, meta: Fp8Meta, cfg: Fp8Config,
+                    name: str = "fp8_dot_general") -> jax.Array:
+    """lax.dot_general in FP8: E4M3 x E4M3 forward, E5M2 (hybrid) x E4M3 gradients.
+
+    `lhs` is the activation (role x), `rhs` the kernel (role w). With `meta`, `cfg` and `name`
+    bound (functools.partial) it is a drop-in `dot_general` for flax's Dense/DenseGeneral; not
+    for jnp.einsum, which may swap the operands. `precision` is ignored (FP8 GEMMs have one);
+    the output dtype is `preferred_element_type` or the inputs' result type. The cotangent for
+    `meta` is this step's amax observation: feed it to `apply_meta_update`, never to optax.
+    """
+    del precision
+    if out_sharding is not None:
+        raise Fp8Error(f"{name}: fp8_dot_general does not take out_sharding; constrain the "
+                       "output's sharding after the call instead")
+    recipe = recipe_of(cfg)
+    dimension_numbers = _normalize_dimension_numbers(dimension_numbers)
+    _check(lhs, rhs, dimension_numbers, meta, name)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    st = _Static(dimension_numbers, recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+    meta = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), meta)
+    return _fp8_dot(st, lhs, rhs, meta)
+
+
+# ----------------------------------------------------------------------------- meta bookkeeping
+
+def _decode(obs: TensorMeta):
+    """(amax, used) from an observation that JAX may have summed or the trainer rescaled."""
+    count = obs.scale
+    amax = obs.amax_history[..., 0] / jnp.where(count > 0, count, 1.0)
+    return amax, count > 0
+
+
+def _encode(amax, used, length) -> TensorMeta:
+    used_f = used.astype(jnp.float32)
+    history = jnp.zeros((*jnp.shape(amax), length), jnp.float32)
+    return TensorMeta(used_f, jnp.zeros_like(used_f),
+                      history.at[..., 0].set(jnp.where(used, amax, 0.0)))
+
+
+def _update_role(old: TensorMeta, obs: TensorMeta, q_dtype, recipe: Recipe) -> TensorMeta:
+    amax, used = _decode(obs)
+    # Slot 0 is the accumulator; jnp.maximum keeps a NaN amax (TE records it too).
+    history = old.amax_history.at[..., 0].set(jnp.maximum(old.amax_history[..., 0], amax))
+    new_history, new_scale = amax_and_scale_update(history, old.scale, fp8_max(q_dtype),
+                                                   recipe.margin, recipe.algo)
+    return TensorMeta(jnp.where(used, new_scale, old.scale),
+                      jnp.where(used, 1.0 / new_scale, old.scale_inv),
+                      jnp.where(used[..., None], new_history, old.amax_history))
+
+
+def apply_meta_update(old: Any, meta_grad: Any, cfg: Fp8Config) -> Any:
+    """The next step's metas from this step's meta cotangents.
+
+    Works on a single Fp8Meta or any pytree holding them (other leaves are returned from `old`
+    unchanged); layer-stacked metas are fine. A meta whose op did not run keeps its state.
+    """
+    recipe = recipe_of(cfg)
+
+    def update(o, g):
+        if not is_fp8_meta(o):
+            return o
+        return Fp8Meta(_update_role(o.x, g.x, recipe.fwd_dtype, recipe),
+                       _update_role(o.w, g.w, recipe.fwd_dtype, recipe),
+                       _update_role(o.g, g.g, recipe.bwd_dtype, recipe))
+    return jax.tree.map(update, old, meta_grad, is_leaf=is_fp8_meta)
+
+
+def combine_meta_grads(a: Any, b: Any) -> Any:
+    """Max-combine two meta cotangents (e.g. of two microbatches): TE's amax reduction."""
+    def combine(ra: TensorMeta, rb: TensorMeta) -> TensorMeta:
+        amax_a, used_a = _decode(ra)
+        amax_b, used_b = _decode(rb)
+        amax = jnp.maximum(jnp.where(used_a, amax_a, 0.0), jnp.where(used_b, amax_b, 0.0))
+        return _encode(amax, used_a | used_b, ra.amax_history.shape[-1])
+
+    def per_meta(ma, mb):
+        return Fp8Meta(combine(ma.x, mb.x), combine(ma.w, mb.w), combine(ma.g, mb.g))
+    return jax.tree.map(per_meta, a, b, is_leaf=is_fp8_meta)
+
+
+def _broadcast_impl(n, meta):
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), meta)
+
+
+_broadcast = jax.custom_vjp(_broadcast_impl, nondiff_argnums=(0,))
+
+
+def _broadcast_fwd(n, meta):
+    return _broadcast_impl(n, meta), None
+
+
+def _broadcast_bwd(n, _, ct):
+    def reduce(role: TensorMeta) -> TensorMeta:
+        amax, used = _decode(role)
+        amax = jnp.max(jnp.where(used, amax, 0.0), axis=0)
+        return _encode(amax, jnp.any(used, axis=0), role.amax_history.shape[-1])
+    return (jax.tree.map(lambda m: Fp8Meta(reduce(m.x), reduce(m.w), reduce(m.g)), ct,
+                         is_leaf=is_fp8_meta),)
+
+
+_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+
+
+def replicate_meta(meta: Any, n: int) -> Any:
+    """`n` stacked copies of the metas in `meta` whose cotangents combine by max, not sum.
+
+    Give microbatch i the slice [i] (e.g. as a scan input) to get TE's max amax over microbatches
+    inside one differentiated function.
+    """
+    return _broadcast(int(n), meta)
+
+
+def partition_meta(tree: Any) -> tuple[Any, Any]:
+    """(tree with metas replaced by None, tree with only the metas): optax gets the first."""
+    rest = jax.tree.map(lambda n: None if is_fp8_meta(n) else n, tree, is_leaf=is_fp8_meta)
+    metas = jax.tree.map(lambda n: n if is_fp8_meta(n) else None, tree, is_leaf=is_fp8_meta)
+    return rest, metas
+
+
+def merge_meta(rest: Any, metas: Any) -> Any:
+    """Inverse of `partition_meta`."""
+    return jax.tree.map(lambda r, m: r if m is None else m, rest, metas,
+                        is_leaf=lambda n: n is None or is_fp8_meta(n))

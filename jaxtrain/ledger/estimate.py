@@ -1,0 +1,286 @@
+"""One layout's full ledger: FLOPs, memory against the budget, communication, expected MFU.
+
+Expected step time (a budget of losses, each with an optimistic and a pessimistic value; the
+optimistic ones give the high MFU):
+- compute: model FLOPs at peak × kernel efficiency (per GPU, e.g. H100 0.50–0.70: the whole
+  compute stream of a large Llama step, not just cuBLAS GEMMs); FP8 runs the transformer-layer
+  matmuls at the FP8 peak, attention and lm_head at bf16.
+- recompute: the HFU − model FLOPs at the same rate.
+- bubble: (compute + recompute) × (p−1)/(m·v).
+- communication: each kind's bytes on its nominal link (NVLink inside a node, the NIC between
+  nodes), times an exposed fraction: TP 0.3–1.0 (on the critical path; overlap is partial),
+  DP 0.1–0.5 (overlaps the backward pass and the next forward), FSDP 0.2–0.6, PP 0.3–1.0,
+  CP 0.2–0.8 (overlaps the ring's attention blocks).
+- overhead: 50–150 µs per layer-microbatch (launch gaps, small kernels, host sync) and
+  20–100 µs latency per pipeline send/receive (2·m·v of them).
+MFU = ideal step / expected step, ideal = model FLOPs / (devices × peak of the compute dtype);
+FP8 runs still divide by the bf16 peak, so their MFU can exceed the bf16 ceiling.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtrain.config import Config, RematConfig
+from jaxtrain.ledger import comm, flops, memory
+from jaxtrain.ledger.hardware import GB, GiB, Gpu, get_gpu
+from jaxtrain.ledger.layout import Layout, stage_layer_counts, validate_layout
+
+REMAT_VARIANTS = {
+    "none": RematConfig(granularity="none"),
+    "selective": RematConfig(granularity="selective", modules=("core_attn",)),
+    "full": RematConfig(granularity="full", method="uniform", num_layers=1),
+}
+COMM_KINDS = ("dp", "fsdp", "tp", "pp", "cp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumptions:
+    """Exposed fraction of each kind of communication and fixed overheads: (optimistic,
+    pessimistic)."""
+    exposed: tuple = (("tp", (0.3, 1.0)), ("dp", (0.1, 0.5)), ("fsdp", (0.2, 0.6)),
+                      ("pp", (0.3, 1.0)), ("cp", (0.2, 0.8)))
+    layer_overhead_s: tuple = (50e-6, 150e-6)
+    p2p_latency_s: tuple = (20e-6, 100e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    gpu: Gpu
+    layout: Layout
+    seq_len: int
+    global_batch: int
+    remat: str                    # label of the remat config the totals use
+    flash: bool
+    # parameters and FLOPs
+    params_total: int
+    params_non_embedding: int     # N of 6N
+    params_local: float           # held by one device of the worst stage (after TP, PP)
+    stage_layers: tuple
+    worst_stage: int
+    model_flops_per_token: float
+    hfu_flops_per_token: float
+    model_flops_per_step: float
+    hfu_flops_per_step: float
+    # memory (bytes, worst stage)
+    bytes_per_param: float        # static bytes held per local parameter
+    static_breakdown: dict
+    static_bytes: float
+    activation_bytes_per_layer: float
+    inflight_layer_microbatches: float
+    activation_bytes: float
+    activation_bytes_by_remat: dict
+    reserve_bytes: float
+    total_bytes: float
+    budget_bytes: float
+    fits: bool
+    overflow: str                # "" if it fits, else the largest term (static|activations|reserve)
+    reason: str
+    # communication per device per step
+    comm_bytes: dict
+    comm_seconds: dict
+    comm_links: dict
+    # time
+    bubble: float
+    ideal_step_s: float
+    expected_step_s: tuple        # (optimistic, pessimistic)
+    expected_mfu: tuple           # (low, high)
+    losses: dict                  # name -> (optimistic s, pessimistic s)
+    notes: tuple = ()
+
+    @property
+    def n_devices(self) -> int:
+        return self.layout.n_devices
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def to_dict(self) -> dict:
+        L = self.layout
+        gib = lambda x: round(x / GiB, 3)  # noqa: E731
+        out = {"tensor": L.tensor, "stage": L.stage, "data": L.data, "fsdp": L.fsdp,
+               "context": L.context, "virtual_stages": L.virtual_stages,
+               "micro_batch": L.micro_batch, "microbatches": L.microbatches,
+               "sequence_parallel": L.sequence_parallel, "zero1": L.zero1,
+               "schedule": L.schedule, "remat": self.remat, "flash": self.flash,
+               "bubble": round(self.bubble, 6), "static_gb": gib(self.static_bytes),
+               "activation_gb": gib(self.activation_bytes),
+               **{f"activation_gb_{k}": gib(v) for k, v in self.activation_bytes_by_remat.items()},
+               "reserve_gb": gib(self.reserve_bytes), "total_gb": gib(self.total_bytes),
+               "budget_gb": gib(self.budget_bytes), "fits": self.fits, "reason": self.reason,
+               **{f"{k}_comm_gb": round(v / GB, 3) for k, v in self.comm_bytes.items()},
+               **{f"{k}_comm_s": round(v, 4) for k, v in self.comm_seconds.items()},
+               "ideal_step_s": round(self.ideal_step_s, 4),
+               "expected_step_s_low": round(self.expected_step_s[0], 4),
+               "expected_step_s_high": round(self.expected_step_s[1], 4),
+               "expected_mfu_low": round(self.expected_mfu[0], 4),
+               "expected_mfu_high": round(self.expected_mfu[1], 4),
+               "params_total": self.params_total,
+               "model_flops_per_token": self.model_flops_per_token,
+               "hfu_flops_per_token": self.hfu_flops_per_token}
+        return out
+
+
+def remat_label(remat: RematConfig) -> str:
+    if remat.granularity == "selective":
+        return "selective(" + ",".join(remat.modules) + ")"
+    if remat.granularity == "full":
+        return f"full({remat.method},{remat.num_layers or 1})"
+    return "none"
+
+
+def uses_flash(cfg: Config, gpu: Gpu) -> bool:
+    """pallas/cudnn attention store no s×s scores; auto picks a flash kernel on GPUs."""
+    if cfg.model.attention in ("pallas", "cudnn"):
+        return True
+    return cfg.model.attention == "auto" and gpu.name != "cpu"
+
+
+def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig | None = None,
+             seq_len: int | None = None, flash: bool | None = None,
+             assumptions: Assumptions = Assumptions()) -> Estimate:
+    """Every ledger figure for `layout` on `gpu`; remat defaults to cfg.remat."""
+    gpu = get_gpu(gpu)
+    remat = remat or cfg.remat
+    seq = seq_len or cfg.train.seq_len
+    validate_layout(cfg, layout, seq_len=seq)
+    flash = uses_flash(cfg, gpu) if flash is None else flash
+    m, L = cfg.model, layout
+    notes = []
+    stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
+    counts = flops.param_counts(m)
+    n_local = memory.stage_params_local(cfg, L, stage_layers)
+    inflight = memory.inflight_layer_microbatches(L, stage_layers)
+
+    def stage_totals(rm):
+        rows = []
+        for r, n_layers in enumerate(stage_layers):
+            static = memory.static_bytes(cfg, L, n_local[r])
+            act = memory.stage_activations(cfg, L, rm, flash, seq, n_layers, inflight[r])
+            reserve = memory.reserve_bytes(cfg, L, seq)
+            rows.append((sum(static.values()) + act.total + reserve, static, act, reserve))
+        return rows
+
+    rows = stage_totals(remat)
+    worst = max(range(L.stage), key=lambda r: rows[r][0])
+    total, static, act, reserve = rows[worst]
+    by_remat = {name: max(row[2].total for row in stage_totals(rm))
+                for name, rm in REMAT_VARIANTS.items()}
+    budget = memory.BUDGET_FRACTION * gpu.hbm_bytes
+    fits = total <= budget
+    static_total = sum(static.values())
+    terms = {"static": static_total, "activations": act.total, "reserve": reserve}
+    overflow = "" if fits else max(terms, key=terms.get)
+    reason = _fit_reason(terms, total, budget, gpu, overflow, worst)
+
+    # FLOPs
+    tokens = L.global_batch * seq
+    f_model = flops.model_flops_per_token(cfg, seq)
+    f_hfu = flops.hfu_flops_per_token(cfg, remat, stage_layers, L.virtual_stages, seq)
+    peak = gpu.peak_flops(m.compute_dtype)
+    D = L.n_devices
+    ideal = f_model * tokens / (D * peak)
+
+    # communication (worst stage: most parameters, most layers)
+    n_max, layers_max = max(n_local), max(stage_layers)
+    volumes = {"dp": comm.dp_bytes(L, n_max), "fsdp": comm.fsdp_bytes(L, n_max),
+               "tp": comm.tp_bytes(cfg, L, seq, layers_max), "pp": comm.pp_bytes(cfg, L, seq),
+               "cp": comm.cp_bytes(cfg, L, seq, layers_max)}
+    links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
+    seconds = {k: volumes[k] / links[k][1] for k in COMM_KINDS}
+
+    # expected step time
+    layer_flops = 6.0 * counts.layers * tokens
+    fp8_frac = 0.0
+    if cfg.fp8.enabled:
+        if gpu.fp8_flops:
+            fp8_layers = max(0, m.num_layers - cfg.fp8.bf16_first_layers - cfg.fp8.bf16_last_layers)
+            fp8_frac = fp8_layers / m.num_layers
+        else:
+            notes.append(f"{gpu.name} has no FP8 tensor cores: timed as bf16")
+    fp8_flops_step = layer_flops * fp8_frac
+    rest_flops_step = f_model * tokens - fp8_flops_step
+    recompute_step = (f_hfu - f_model) * tokens
+    bubble = comm.bubble_fraction(L.stage, L.microbatches, L.virtual_stages)
+    exposed = dict(assumptions.exposed)
+    losses = {}
+    for i, eff in enumerate(reversed(gpu.kernel_efficiency)):  # i=0 optimistic
+        compute = rest_flops_step / (D * peak * eff)
+        if fp8_flops_step:
+            compute += fp8_flops_step / (D * gpu.fp8_flops * eff)
+        recompute = recompute_step / (D * peak * eff)
+        parts = {"compute": compute, "recompute": recompute,
+                 "bubble": (compute + recompute) * bubble}
+        for k in COMM_KINDS:
+            parts[f"{k}_comm"] = seconds[k] * exposed[k][i]
+        overhead = layers_max * L.microbatches * assumptions.layer_overhead_s[i]
+        if L.stage > 1:
+            overhead += 2 * L.microbatches * L.virtual_stages * assumptions.p2p_latency_s[i]
+        parts["overhead"] = overhead
+        for k, v in parts.items():
+            losses.setdefault(k, [0.0, 0.0])[i] = v
+    losses = {k: tuple(v) for k, v in losses.items()}
+    step = tuple(sum(v[i] for v in losses.values()) for i in (0, 1))
+    if L.stage > 1 and L.microbatches < L.stage:
+        notes.append(f"{L.microbatches} microbatches for {L.stage} stages: the pipeline never "
+                     f"fills (bubble {bubble:.0%}); raise the global batch or lower stage")
+    if gpu.estimate:
+        notes.append(f"'{gpu.name}' figures are a rough estimate, not a datasheet")
+    if not flash and m.attention == "auto":
+        notes.append("attention=auto on CPU: XLA attention, s×s scores stored")
+
+    return Estimate(
+        gpu=gpu, layout=L, seq_len=seq, global_batch=L.global_batch, remat=remat_label(remat),
+        flash=flash, params_total=counts.total, params_non_embedding=counts.non_embedding,
+        params_local=n_local[worst], stage_layers=stage_layers, worst_stage=worst,
+        model_flops_per_token=f_model, hfu_flops_per_token=f_hfu,
+        model_flops_per_step=f_model * tokens, hfu_flops_per_step=f_hfu * tokens,
+        bytes_per_param=static_total / n_local[worst], static_breakdown=static,
+        static_bytes=static_total, activation_bytes_per_layer=act.per_layer,
+        inflight_layer_microbatches=act.inflight, activation_bytes=act.total,
+        activation_bytes_by_remat=by_remat, reserve_bytes=reserve, total_bytes=total,
+        budget_bytes=budget, fits=fits, overflow=overflow, reason=reason,
+        comm_bytes=volumes, comm_seconds=seconds, comm_links={k: v[0] for k, v in links.items()},
+        bubble=bubble, ideal_step_s=ideal, expected_step_s=step,
+        expected_mfu=(ideal / step[1], ideal / step[0]), losses=losses, notes=tuple(notes))
+
+
+_HINTS = {"static": "more tensor/stage parallelism, ZeRO-1 or FSDP",
+          "activations": "more recompute, a smaller micro-batch, more tensor/stage or context "
+                         "parallelism",
+          "reserve": "a smaller micro-batch or more tensor parallelism (vocab-parallel logits)"}
+
+
+def _fit_reason(terms, total, budget, gpu, overflow, worst) -> str:
+    line = (f"static {terms['static'] / GiB:.1f} + activations {terms['activations'] / GiB:.1f} "
+            f"+ reserve {terms['reserve'] / GiB:.1f} = {total / GiB:.1f} GiB")
+    cap = (f"{budget / GiB:.1f} GiB budget (90% of {gpu.hbm_bytes / GiB:.0f} GiB "
+           f"{gpu.name})")
+    where = f" on stage {worst}" if worst else ""
+    if not overflow:
+        return f"fits: {line} <= {cap}{where}"
+    alone = terms[overflow] > budget
+    head = f"{overflow} alone exceed" if alone else f"{overflow} overflow"
+    return f"{head}: {line} > {cap}{where}; try {_HINTS[overflow]}"
+
+
+def describe(est: Estimate) -> str:
+    """A few lines for train.py: the layout, memory against budget, comm, FLOPs and MFU range."""
+    L = est.layout
+    sched = (f", {L.schedule} v={L.virtual_stages}" if L.stage > 1 else "")
+    lines = [
+        f"layout: {L.short()} on {L.n_devices} x {est.gpu.name}{sched}; bubble {est.bubble:.1%}",
+        f"params: {est.params_total / 1e9:.3f} B ({est.params_non_embedding / 1e9:.3f} B without "
+        f"input embedding); {est.params_local / 1e9:.3f} B per device, "
+        f"{est.bytes_per_param:.2f} bytes each",
+        f"memory/device: {est.reason} [remat {est.remat}{', flash' if est.flash else ''}]",
+        "comm/device/step: " + (", ".join(
+            f"{k.upper()} {est.comm_bytes[k] / GB:.2f} GB ({est.comm_seconds[k]:.3f} s "
+            f"{est.comm_links[k]})" for k in COMM_KINDS if est.comm_bytes[k]) or "none"),
+        f"flops/token: model {est.model_flops_per_token:.4g}, with recompute "
+        f"{est.hfu_flops_per_token:.4g}; ideal step {est.ideal_step_s:.3f} s, expected "
+        f"{est.expected_step_s[0]:.3f}-{est.expected_step_s[1]:.3f} s, MFU "
+        f"{est.expected_mfu[0]:.0%}-{est.expected_mfu[1]:.0%}",
+    ]
+    lines += [f"note: {n}" for n in est.notes]
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""Parameter counts, model FLOPs (PaLM/Megatron convention), recompute FLOPs, MFU and HFU.
+
+Model FLOPs per token = 6·N + 12·L·(H·E)·s (DESIGN.md §5): N counts every parameter except
+the input embedding (the lm_head is a matmul, so it counts; with tied embeddings the one table
+is the lm_head and N equals the total), H·E is the query width (the hidden size for Llama),
+s the sequence length. The attention term is the non-causal one, as in PaLM and Megatron's
+papers. MFU divides model FLOPs by peak; HFU adds the FLOPs that rematerialisation re-runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtrain.config import Config, ConfigError, ModelConfig, RematConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    per_layer: dict            # q, k, v, o, gate, up, down, norms -> parameters in one layer
+    embedding: int             # input table, V·h
+    lm_head: int               # V·h, 0 when tied to the embedding
+    final_norm: int
+    num_layers: int
+
+    @property
+    def layer(self) -> int:
+        return sum(self.per_layer.values())
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers * self.layer
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.embedding + self.lm_head + self.final_norm
+
+    @property
+    def non_embedding(self) -> int:
+        """N of the FLOPs formula: without the input embedding unless it doubles as lm_head."""
+        return self.total - (self.embedding if self.lm_head else 0)
+
+
+def param_counts(model: ModelConfig) -> ParamCounts:
+    h, E, F = model.hidden_size, model.resolved_head_dim, model.mlp_size
+    H, K = model.num_heads, model.num_kv_heads
+    per_layer = {"q": h * H * E, "k": h * K * E, "v": h * K * E, "o": H * E * h,
+                 "gate": h * F, "up": h * F, "down": F * h, "norms": 2 * h}
+    table = model.vocab_size * h
+    return ParamCounts(per_layer=per_layer, embedding=table,
+                       lm_head=0 if model.tie_embeddings else table, final_norm=h,
+                       num_layers=model.num_layers)
+
+
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """12·L·(H·E)·s: QK^T and PV, forward (4) plus backward (8), per token."""
+    return 12.0 * model.num_layers * model.num_heads * model.resolved_head_dim * seq_len
+
+
+def model_flops_per_token(cfg: Config, seq_len: int | None = None) -> float:
+    """6·N + 12·L·h·s, forward plus backward, no recompute."""
+    seq_len = seq_len or cfg.train.seq_len
+    return 6.0 * param_counts(cfg.model).non_embedding + attention_flops_per_token(cfg.model,
+                                                                                   seq_len)
+
+
+# Forward FLOPs per token per layer that recomputing each tagged activation re-runs
+# (DESIGN.md §3 tags; "mlp" and "layernorm" are Megatron's --recompute-modules names).
+# Norms, RoPE and the SwiGLU product are elementwise: not counted, as in model FLOPs.
+def _module_flops(model: ModelConfig, seq_len: int) -> dict[str, float]:
+    h, E, F = model.hidden_size, model.resolved_head_dim, model.mlp_size
+    H, K = model.num_heads, model.num_kv_heads
+    return {"layer_input": 0.0, "attn_norm": 0.0, "mlp_norm": 0.0, "mlp_act": 0.0,
+            "layernorm": 0.0,
+            "qkv_proj": 2.0 * h * (H + 2 * K) * E, "core_attn": 4.0 * H * E * seq_len,
+            "attn_out": 2.0 * H * E * h, "mlp_in": 4.0 * h * F, "mlp_out": 2.0 * F * h,
+            "mlp": 6.0 * h * F}
+
+
+def recomputed_layers(cfg: Config, remat: RematConfig, stage_layers: tuple[int, ...],
+                      virtual_stages: int = 1) -> int:
+    """Layers that full recompute re-runs: all for "uniform"; for "block" the first
+    remat.num_layers of every pipeline chunk (0 means all)."""
+    if remat.method == "uniform" or remat.num_layers == 0:
+        return sum(stage_layers)
+    chunk_layers = [c // virtual_stages for c in stage_layers]
+    return sum(min(remat.num_layers, c) * virtual_stages for c in chunk_layers)
+
+
+def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
+                              stage_layers: tuple[int, ...] | None = None,
+                              virtual_stages: int = 1, seq_len: int | None = None) -> float:
+    """Extra forward FLOPs per token that the remat config re-runs in the backward pass.
+
+    Full: one forward of each recomputed layer, 2·(layer params) + 4·(H·E)·s. Selective: the
+    forward of each listed module in every layer ("core_attn": the score/softmax/PV part).
+    """
+    remat = remat or cfg.remat
+    seq_len = seq_len or cfg.train.seq_len
+    m = cfg.model
+    if remat.granularity == "none":
+        return 0.0
+    if remat.granularity == "full":
+        stage_layers = stage_layers or (m.num_layers,)
+        n = recomputed_layers(cfg, remat, stage_layers, virtual_stages)
+        per_layer = 2.0 * param_counts(m).layer + 4.0 * m.num_heads * m.resolved_head_dim * seq_len
+        return n * per_layer
+    table = _module_flops(m, seq_len)
+    unknown = [x for x in remat.modules if x not in table]
+    if unknown:
+        raise ConfigError(f"remat.modules has unknown {unknown}; known: {', '.join(table)}")
+    return m.num_layers * sum(table[x] for x in set(remat.modules))
+
+
+def hfu_flops_per_token(cfg: Config, remat: RematConfig | None = None,
+                        stage_layers: tuple[int, ...] | None = None, virtual_stages: int = 1,
+                        seq_len: int | None = None) -> float:
+    return (model_flops_per_token(cfg, seq_len)
+            + recompute_flops_per_token(cfg, remat, stage_layers, virtual_stages, seq_len))
+
+
+def tokens_per_step(cfg: Config) -> int:
+    return cfg.train.global_batch * cfg.train.seq_len
+
+
+def mfu(cfg: Config, tokens_per_sec: float, n_devices: int, peak_flops: float,
+        seq_len: int | None = None) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over n_devices · peak (PaLM)."""
+    return tokens_per_sec * model_flops_per_token(cfg, seq_len) / (n_devices * peak_flops)
+
+
+def hfu(cfg: Config, tokens_per_sec: float, n_devices: int, peak_flops: float,
+        stage_layers: tuple[int, ...] | None = None, virtual_stages: int = 1,
+        seq_len: int | None = None) -> float:
+    """Hardware FLOPs utilisation: as mfu, counting the recompute the remat config implies."""
+    return (tokens_per_sec * hfu_flops_per_token(cfg, None, stage_layers, virtual_stages, seq_len)
+            / (n_devices * peak_flops))

@@ -1,0 +1,179 @@
+"""Theoretical memory per device: static state, in-flight activations, workspace reserve.
+
+Conventions (DESIGN.md §5):
+- Static: bf16 param 2 + grad 4 (2 on the bf16-grad / FSDP path) + fp32 master 4 + Adam m 4 +
+  v 4 bytes per parameter held; ZeRO-1 divides the 12 optimizer bytes by data (x context),
+  FSDP divides all of them by the fsdp degree (plus two gathered layers in flight).
+- Activations per layer per microbatch (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", Table 2): s·b·h·(34 + 5·a·s/h) bytes; with
+  tensor + sequence parallelism everything divides by t (tensor without SP: 10 + 24/t + 5as/(ht));
+  flash attention or selective core_attn recompute drops the 5·a·s/h score term; ×1.2 for
+  SwiGLU's wider MLP. Full recompute keeps the layer input, 2·s·b·h/t, and re-materialises one
+  recompute group at a time. Context parallelism divides s (its scores are (s/c)×s).
+  The 34 counts 2-byte activations; float32 compute doubles it.
+- In flight (Megatron's schedules): 1F1B rank r holds min(m, p-r) microbatches of its layers,
+  so the first stage holds p·(L/p) = L layer-microbatches; interleaved 1F1B rank r runs
+  2(p-r-1) + (v-1)p + 1 chunks before its first backward, which for r=0 is
+  L·(1 + (p-1)/(p·v)) layers (Megatron-LM's interleaved_schedule_memory_penalty in
+  megatron/training/theoretical_memory_usage.py); GPipe holds all m.
+- Budget: static + activations + reserve must fit in 90% of device memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtrain.config import Config, RematConfig
+from jaxtrain.ledger.flops import param_counts
+from jaxtrain.ledger.hardware import GiB
+from jaxtrain.ledger.layout import Layout
+
+BUDGET_FRACTION = 0.9
+SWIGLU_MARGIN = 1.2
+# cuBLAS/NCCL workspaces and XLA temporaries at h = 8192; with the fp32 logits term below this
+# gives DESIGN.md's 8 GB reserve at 70B scale, and it shrinks with the hidden size.
+_WORKSPACE_AT_8K = 6 * GiB
+_WORKSPACE_FLOOR = 0.25 * GiB
+
+OPTIMIZER_BYTES = 12  # fp32 master + Adam m + v
+
+
+def bytes_per_param(grad_bf16: bool = False) -> int:
+    """18 (bf16 param, fp32 grad, fp32 master, Adam m, v) or 16 with bf16 grads / FSDP."""
+    return 2 + (2 if grad_bf16 else 4) + OPTIMIZER_BYTES
+
+
+def held_bytes_per_param(layout: Layout) -> dict[str, float]:
+    """Bytes per (TP/PP-local) parameter that one device holds, by kind."""
+    f = layout.fsdp
+    grad = 2 if f > 1 else 4
+    # Megatron's distributed optimizer shards over the data-parallel group, which includes the
+    # context ranks (parameters are replicated over both).
+    zero = layout.data * layout.context if layout.zero1 else 1
+    return {"param": 2 / f, "grad": grad / f, "optimizer": OPTIMIZER_BYTES / (f * zero)}
+
+
+def padded_vocab(vocab_size: int, tensor: int) -> int:
+    """Megatron's make-vocab-size-divisible-by (128·t), as jaxtrain.sharding pads."""
+    multiple = 128 * tensor
+    return -(-vocab_size // multiple) * multiple
+
+
+def layer_params_local(cfg: Config, tensor: int) -> float:
+    """Parameters of one layer held per tensor rank (KV replicated when kv_heads < t)."""
+    m = cfg.model
+    per = param_counts(m).per_layer
+    kv_shards = tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
+    return ((per["q"] + per["o"] + per["gate"] + per["up"] + per["down"]) / tensor
+            + (per["k"] + per["v"]) / kv_shards + per["norms"])
+
+
+def stage_params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> list[float]:
+    """Parameters one device of each pipeline stage holds (after TP and PP, before FSDP)."""
+    m, t, p = cfg.model, layout.tensor, layout.stage
+    table = padded_vocab(m.vocab_size, t) * m.hidden_size / t
+    layer = layer_params_local(cfg, t)
+    out = []
+    for r, n_layers in enumerate(stage_layers):
+        n = n_layers * layer
+        if r == 0:
+            n += table
+        if r == p - 1:
+            # Tied weights still need their own copy on the last stage when p > 1 (Megatron).
+            n += m.hidden_size + (table if (not m.tie_embeddings or p > 1) else 0)
+        out.append(n)
+    return out
+
+
+def static_bytes(cfg: Config, layout: Layout, n_local: float) -> dict[str, float]:
+    per = held_bytes_per_param(layout)
+    out = {k: n_local * v for k, v in per.items()}
+    # FSDP all-gathers a layer's bf16 weights before use; two layers in flight for prefetch.
+    out["fsdp_buffers"] = (2 * 2 * layer_params_local(cfg, layout.tensor)
+                           if layout.fsdp > 1 else 0.0)
+    return out
+
+
+def _act_scale(cfg: Config) -> float:
+    return 2.0 if cfg.model.compute_dtype == "float32" else 1.0
+
+
+def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *,
+                           drop_scores: bool) -> float:
+    """Korthikanti's stored activations per layer per microbatch, ×1.2 SwiGLU margin.
+
+    drop_scores: flash attention or selective core_attn recompute (no s×s tensors stored).
+    """
+    m, t = cfg.model, layout.tensor
+    s_local = seq_len / layout.context
+    sbh = s_local * layout.micro_batch * m.hidden_size
+    if layout.sequence_parallel or t == 1:
+        linear = 34.0 * sbh / t
+    else:
+        linear = sbh * (10.0 + 24.0 / t)
+    scores = 0.0 if drop_scores else 5.0 * m.num_heads * s_local * seq_len * layout.micro_batch / t
+    return (linear + scores) * SWIGLU_MARGIN * _act_scale(cfg)
+
+
+def layer_checkpoint_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
+    """What full recompute keeps per layer: its bf16 input (sharded over t with SP)."""
+    sbh = seq_len / layout.context * layout.micro_batch * cfg.model.hidden_size
+    return 2.0 * sbh / (layout.tensor if layout.sequence_parallel else 1) * _act_scale(cfg)
+
+
+def inflight_layer_microbatches(layout: Layout, stage_layers: tuple[int, ...]) -> list[float]:
+    """Layer-microbatches of activations each pipeline rank holds at its peak."""
+    p, v, m = layout.stage, layout.virtual_stages, layout.microbatches
+    out = []
+    for r, n_layers in enumerate(stage_layers):
+        if p == 1:
+            chunks, per_chunk = 1, n_layers  # grad accumulation: one microbatch at a time
+        elif layout.schedule == "gpipe":
+            chunks, per_chunk = m, n_layers
+        elif v == 1:
+            chunks, per_chunk = min(m, p - r), n_layers
+        else:
+            chunks, per_chunk = min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1), n_layers / v
+        out.append(chunks * per_chunk)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    per_layer: float        # bytes stored per layer-microbatch (the checkpoint under full)
+    inflight: float         # layer-microbatches held
+    working_set: float      # bytes re-materialised at once under full recompute
+    total: float
+
+
+def stage_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,
+                      seq_len: int, n_layers: int, inflight: float) -> Activations:
+    """Activation bytes one device of a stage holds under a remat config.
+
+    Of the selective modules only core_attn is credited (its s×s scores); recomputing other
+    tagged activations is counted in HFU but not subtracted here, so memory is an upper bound.
+    """
+    selective_attn = remat.granularity == "selective" and "core_attn" in remat.modules
+    full_layer = layer_activation_bytes(cfg, layout, seq_len, drop_scores=flash or selective_attn)
+    if remat.granularity != "full":
+        return Activations(full_layer, inflight, 0.0, inflight * full_layer)
+    ckpt = layer_checkpoint_bytes(cfg, layout, seq_len)
+    k = remat.num_layers or 1
+    if remat.method == "uniform":
+        # One checkpoint per group of k layers; recompute re-materialises a group at a time.
+        group = min(k, n_layers)
+        return Activations(ckpt, inflight, group * full_layer, inflight / group * ckpt
+                           + group * full_layer)
+    chunk = n_layers / layout.virtual_stages
+    frac = 1.0 if remat.num_layers == 0 else min(k, chunk) / chunk
+    stored = inflight * (frac * ckpt + (1 - frac) * full_layer)
+    return Activations(ckpt, inflight, full_layer, stored + full_layer)
+
+
+def reserve_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
+    """Logits and workspace: fp32 logits, softmax, their gradient and the bf16 output (≈4 fp32
+    copies of s·b·V/t) plus a workspace that scales with the hidden size (6 GiB at h=8192)."""
+    m = cfg.model
+    logits = 4 * 4.0 * (seq_len / layout.context) * layout.micro_batch \
+        * padded_vocab(m.vocab_size, layout.tensor) / layout.tensor
+    workspace = max(_WORKSPACE_FLOOR, _WORKSPACE_AT_8K * min(1.0, m.hidden_size / 8192))
+    return logits + workspace

@@ -1,0 +1,643 @@
+"""Flash attention (forward + backward) in Pallas, Triton backend, with GQA and packed documents.
+
+Layout is [batch, seq, heads, head_dim]: q_BSHD, k_BSKD, v_BSKD with H % K == 0; query head h reads
+kv head h // (H // K). The algorithm is FlashAttention-2: the forward walks KV blocks with an online
+softmax and saves only the output and the log-sum-exp (fp32, base 2); the backward recomputes the
+probabilities block by block in two kernels, one for dK/dV and one for dQ.
+
+On CPU the same kernels run in Pallas interpret mode, which is how the tests check them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Triton compiler params only matter on GPU; CPU interpret mode works without them.
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - depends on the jaxlib build
+  plgpu = None
+
+__all__ = [
+    "FlashAttentionError",
+    "flash_attention",
+    "reference_attention",
+    "SUPPORTED_DTYPES",
+    "MAX_HEAD_DIM",
+]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 256
+# Triton's tl.dot needs every tile dimension to be a power of two and at least 16.
+_MIN_TILE = 16
+_LOG2E = math.log2(math.e)
+# Finite stand-in for -inf on masked logits: exp2(_MASKED - m) underflows to 0 without ever
+# forming inf - inf, and it stays representable in fp32.
+_MASKED = -1e30
+
+SegmentIds = Union[jax.Array, Tuple[jax.Array, jax.Array], None]
+
+
+class FlashAttentionError(ValueError):
+  """Bad shapes, dtypes or block sizes passed to flash_attention."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (XLA) implementation: the test oracle and the fallback for backends without Triton.
+
+
+def _split_segments(segment_ids: SegmentIds):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise FlashAttentionError(
+          "segment_ids must be one [batch, seq] array or a pair (q_segment_ids, kv_segment_ids); "
+          f"got a sequence of length {len(segment_ids)}.")
+    return segment_ids[0], segment_ids[1]
+  return segment_ids, segment_ids
+
+
+def reference_attention(q, k, v, segment_ids: SegmentIds = None, causal: bool = True,
+                        sm_scale: Optional[float] = None):
+  """Plain attention with repeated KV heads and an fp32 softmax; same contract as flash_attention.
+
+  Rows with no visible key (possible with separate q/kv segment ids) produce zeros.
+  """
+  B, S, H, D = q.shape
+  K = k.shape[2]
+  if H % K:
+    raise FlashAttentionError(f"num_heads={H} is not a multiple of num_kv_heads={K}.")
+  group = H // K
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(D)
+  k_BSHD = jnp.repeat(k, group, axis=2)
+  v_BSHD = jnp.repeat(v, group, axis=2)
+  s_BHST = jnp.einsum("bshd,bthd->bhst", q, k_BSHD,
+                      preferred_element_type=jnp.float32) * sm_scale
+  T = k.shape[1]
+  mask_BST = jnp.ones((B, S, T), dtype=bool)
+  if causal:
+    mask_BST &= jnp.tril(jnp.ones((S, T), dtype=bool))[None]
+  q_seg, kv_seg = _split_segments(segment_ids)
+  if q_seg is not None:
+    mask_BST &= q_seg[:, :, None] == kv_seg[:, None, :]
+  s_BHST = jnp.where(mask_BST[:, None], s_BHST, _MASKED)
+  p_BHST = jax.nn.softmax(s_BHST, axis=-1)
+  out_BSHD = jnp.einsum("bhst,bthd->bshd", p_BHST.astype(v.dtype), v_BSHD,
+                        preferred_element_type=jnp.float32)
+  # A fully masked row softmaxes to uniform weights over masked keys; zero its output instead.
+  # (Zeroing p before the einsum instead is equivalent but slow to compile on XLA CPU.)
+  visible_BS11 = jnp.any(mask_BST, axis=-1)[:, :, None, None]
+  return jnp.where(visible_BS11, out_BSHD, 0.0).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Static configuration.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  causal: bool
+  sm_scale: float
+  block_q: int
+  block_k: int
+  block_q_bwd: int
+  block_k_bwd: int
+  kv_len: Optional[int]  # true sequence length when the kernel sees a padded one, else None
+  has_segments: bool
+  num_warps: Optional[int]
+  num_warps_bwd: Optional[int]
+  num_stages: Optional[int]
+  num_stages_bwd: Optional[int]
+  interpret: bool
+
+
+def _default_blocks(head_dim: int) -> Tuple[int, int, int, int]:
+  """(block_q, block_k, block_q_bwd, block_k_bwd), chosen for Hopper register/SMEM budgets.
+
+  Not tuned on hardware yet: bench/attention.py --block-* flags sweep them.
+  """
+  if head_dim <= 64:
+    return 128, 128, 64, 64
+  if head_dim <= 128:
+    return 128, 64, 64, 64
+  return 64, 32, 32, 32
+
+
+def _compiler_params(num_warps, num_stages):
+  if plgpu is None:
+    return None
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel helpers (only the Triton-lowerable subset of jax.numpy is used inside kernels).
+
+
+def _dot_nt(a, b):
+  """a @ b.T with fp32 accumulation."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: Optional[int]):
+  """Visibility mask, or None when every entry of the tile is visible.
+
+  q_pos/k_pos/q_seg/k_seg are broadcastable to the tile. kv_len masks padded keys; with causal
+  masking padded keys are already invisible to real queries, so callers pass kv_len=None then.
+  """
+  mask = None
+
+  def _and(a, b):
+    return b if a is None else jnp.logical_and(a, b)
+
+  if causal:
+    mask = _and(mask, q_pos >= k_pos)
+  if kv_len is not None:
+    mask = _and(mask, k_pos < kv_len)
+  if q_seg is not None:
+    mask = _and(mask, q_seg == k_seg)
+  return mask
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward kernel: one program per (q block, batch, head); loops over KV blocks.
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
+  if cfg.has_segments:
+    q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
+  else:
+    q_seg_ref = kv_seg_ref = None
+    o_ref, lse_ref = refs
+  block_q, head_dim = q_ref.shape
+  block_k = cfg.block_k
+  num_k_blocks = k_ref.shape[0] // block_k
+  q_blk = _q_block_index(pl.program_id(0), num_q_blocks, cfg.causal)
+  q_start = q_blk * block_q
+  scale2 = cfg.sm_scale * _LOG2E  # work in base 2 so the softmax uses exp2
+
+  q = q_ref[...]
+  q_seg = None if q_seg_ref is None else q_seg_ref[...][:, None]
+  q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+  kv_len = None if cfg.causal else cfg.kv_len
+
+  def body(j, carry, *, causal_mask):
+    acc, m, l = carry
+    k_start = pl.multiple_of(j * block_k, block_k)
+    kv_slice = pl.ds(k_start, block_k)
+    k = k_ref[kv_slice, :]
+    v = v_ref[kv_slice, :]
+    s = _dot_nt(q, k) * scale2
+    k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    k_seg = None if kv_seg_ref is None else kv_seg_ref[kv_slice][None, :]
+    mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
+    if mask is not None:
+      s = jnp.where(mask, s, _MASKED)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    if mask is not None:
+      # A row with no visible key yet has m_new == _MASKED, where exp2(0) = 1 would count
+      # masked keys; zeroing keeps fully masked rows at l == 0.
+      p = jnp.where(mask, p, 0.0)
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+  carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+           jnp.full((block_q,), _MASKED, jnp.float32),
+           jnp.zeros((block_q,), jnp.float32))
+  if cfg.causal:
+    # Blocks strictly below the diagonal need no causal mask; blocks past it are skipped.
+    num_full = lax.div(q_start, block_k)
+    num_live = jnp.minimum(_cdiv(q_start + block_q, block_k), num_k_blocks)
+    carry = lax.fori_loop(0, num_full, functools.partial(body, causal_mask=False), carry)
+    carry = lax.fori_loop(num_full, num_live, functools.partial(body, causal_mask=True), carry)
+  else:
+    carry = lax.fori_loop(0, num_k_blocks, functools.partial(body, causal_mask=False), carry)
+  acc, m, l = carry
+
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  # +inf for rows that see no key, so exp2(s - lse) is 0 in the backward.
+  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe))
+
+
+def _q_block_index(pid, num_q_blocks: int, causal: bool):
+  # Causal work grows with the q block index; launching the longest blocks first shortens the tail.
+  return num_q_blocks - 1 - pid if causal else pid
+
+
+def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
+  B, S, H, D = q.shape
+  K = k.shape[2]
+  group = H // K
+  block_q, block_k = cfg.block_q, cfg.block_k
+  num_q_blocks = S // block_q
+
+  def q_map(i, b, h):
+    return (b, _q_block_index(i, num_q_blocks, cfg.causal), h, 0)
+
+  def kv_map(i, b, h):
+    return (b, 0, lax.div(h, group), 0)
+
+  in_specs = [
+      pl.BlockSpec((None, block_q, None, D), q_map),
+      pl.BlockSpec((None, S, None, D), kv_map),
+      pl.BlockSpec((None, S, None, D), kv_map),
+  ]
+  args = [q, k, v]
+  if cfg.has_segments:
+    in_specs += [
+        pl.BlockSpec((None, block_q),
+                     lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))),
+        pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
+    ]
+    args += [q_seg, kv_seg]
+  out_specs = [
+      pl.BlockSpec((None, block_q, None, D), q_map),
+      pl.BlockSpec((None, None, block_q),
+                   lambda i, b, h: (b, h, _q_block_index(i, num_q_blocks, cfg.causal))),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((B, H, S), jnp.float32),
+  ]
+  out, lse_BHS = pl.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
+      grid=(num_q_blocks, B, H),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=_compiler_params(cfg.num_warps, cfg.num_stages),
+      interpret=cfg.interpret,
+      name="jaxtrain_flash_fwd",
+  )(*args)
+  return out, lse_BHS
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward. delta = rowsum(dO * O) is a cheap elementwise reduction left to XLA. Then:
+#  * dK/dV: one program per (kv block, batch, kv head). It loops over the G query heads that share
+#    this kv head and over their q blocks, accumulating dK/dV for the whole group in fp32
+#    registers. Looping inside the kernel (rather than emitting per-q-head dK/dV and summing in
+#    XLA) avoids a G-times-larger fp32 intermediate and its extra HBM traffic; the grid still has
+#    B * K * S / block_k_bwd programs, enough to fill an H100 at training sizes.
+#  * dQ: one program per (q block, batch, q head), looping over KV blocks.
+# Both recompute P = exp2(S * scale * log2 e - lse) from the saved base-2 log-sum-exp.
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, group: int):
+  if cfg.has_segments:
+    q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
+  else:
+    q_seg_ref = kv_seg_ref = None
+    dk_ref, dv_ref = refs
+  block_k, head_dim = k_ref.shape
+  block_q = cfg.block_q_bwd
+  num_q_blocks = q_ref.shape[0] // block_q
+  k_start = pl.program_id(0) * block_k
+  scale2 = cfg.sm_scale * _LOG2E
+  kv_len = None if cfg.causal else cfg.kv_len
+
+  k = k_ref[...]
+  v = v_ref[...]
+  # Work on transposed tiles [block_k, block_q] so no operand needs an in-kernel transpose.
+  k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_k, block_q), 0)
+  k_seg = None if kv_seg_ref is None else kv_seg_ref[...][:, None]
+
+  def q_body(i, carry, *, g, causal_mask):
+    dk, dv = carry
+    q_start = pl.multiple_of(i * block_q, block_q)
+    q_slice = pl.ds(q_start, block_q)
+    q = q_ref[q_slice, g, :]
+    do = do_ref[q_slice, g, :]
+    lse = lse_ref[g, q_slice]
+    delta = delta_ref[g, q_slice]
+    s_t = _dot_nt(k, q) * scale2
+    p_t = jnp.exp2(s_t - lse[None, :])
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)
+    q_seg = None if q_seg_ref is None else q_seg_ref[q_slice][None, :]
+    mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
+    if mask is not None:
+      p_t = jnp.where(mask, p_t, 0.0)
+    dv = dv + _dot(p_t.astype(do.dtype), do)
+    dp_t = _dot_nt(v, do)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = dk + _dot(ds_t.astype(q.dtype), q)
+    return dk, dv
+
+  if cfg.causal:
+    # q blocks before first_live see none of these keys; from first_full on, all of them.
+    first_live = lax.div(k_start, block_q)
+    first_full = jnp.minimum(_cdiv(k_start + block_k - 1, block_q), num_q_blocks)
+  else:
+    first_live = first_full = 0
+
+  def group_body(g, carry):
+    if cfg.causal:
+      carry = lax.fori_loop(first_live, first_full,
+                            functools.partial(q_body, g=g, causal_mask=True), carry)
+    return lax.fori_loop(first_full, num_q_blocks,
+                         functools.partial(q_body, g=g, causal_mask=False), carry)
+
+  zeros = jnp.zeros((block_k, head_dim), jnp.float32)
+  dk, dv = lax.fori_loop(0, group, group_body, (zeros, zeros))
+  dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config,
+               num_q_blocks: int):
+  if cfg.has_segments:
+    q_seg_ref, kv_seg_ref, dq_ref = refs
+  else:
+    q_seg_ref = kv_seg_ref = None
+    (dq_ref,) = refs
+  block_q, head_dim = q_ref.shape
+  block_k = cfg.block_k_bwd
+  num_k_blocks = k_ref.shape[0] // block_k
+  q_start = _q_block_index(pl.program_id(0), num_q_blocks, cfg.causal) * block_q
+  scale2 = cfg.sm_scale * _LOG2E
+  kv_len = None if cfg.causal else cfg.kv_len
+
+  q = q_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...][:, None]
+  delta = delta_ref[...][:, None]
+  q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+  q_seg = None if q_seg_ref is None else q_seg_ref[...][:, None]
+
+  def body(j, dq, *, causal_mask):
+    k_start = pl.multiple_of(j * block_k, block_k)
+    kv_slice = pl.ds(k_start, block_k)
+    k = k_ref[kv_slice, :]
+    v = v_ref[kv_slice, :]
+    p = jnp.exp2(_dot_nt(q, k) * scale2 - lse)
+    k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    k_seg = None if kv_seg_ref is None else kv_seg_ref[kv_slice][None, :]
+    mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
+    if mask is not None:
+      p = jnp.where(mask, p, 0.0)
+    ds = p * (_dot_nt(do, v) - delta)
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  dq = jnp.zeros((block_q, head_dim), jnp.float32)
+  if cfg.causal:
+    num_full = lax.div(q_start, block_k)
+    num_live = jnp.minimum(_cdiv(q_start + block_q, block_k), num_k_blocks)
+    dq = lax.fori_loop(0, num_full, functools.partial(body, causal_mask=False), dq)
+    dq = lax.fori_loop(num_full, num_live, functools.partial(body, causal_mask=True), dq)
+  else:
+    dq = lax.fori_loop(0, num_k_blocks, functools.partial(body, causal_mask=False), dq)
+  dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
+
+
+def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
+  B, S, H, D = q.shape
+  K = k.shape[2]
+  group = H // K
+  delta_BHS = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+  params = _compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd)
+  bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+
+  # dK/dV over grid (kv block, batch, kv head); the group's q heads are a contiguous slab.
+  group_q_spec = pl.BlockSpec((None, S, group, D), lambda j, b, kh: (b, 0, kh, 0))
+  kv_block_spec = pl.BlockSpec((None, bk, None, D), lambda j, b, kh: (b, j, kh, 0))
+  group_row_spec = pl.BlockSpec((None, group, S), lambda j, b, kh: (b, kh, 0))
+  in_specs = [group_q_spec, kv_block_spec, kv_block_spec, group_q_spec, group_row_spec,
+              group_row_spec]
+  args = [q, k, v, do, lse_BHS, delta_BHS]
+  if cfg.has_segments:
+    in_specs += [pl.BlockSpec((None, S), lambda j, b, kh: (b, 0)),
+                 pl.BlockSpec((None, bk), lambda j, b, kh: (b, j))]
+    args += [q_seg, kv_seg]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, cfg=cfg, group=group),
+      grid=(S // bk, B, K),
+      in_specs=in_specs,
+      out_specs=[kv_block_spec, kv_block_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params,
+      interpret=cfg.interpret,
+      name="jaxtrain_flash_bwd_dkv",
+  )(*args)
+
+  # dQ over grid (q block, batch, q head).
+  num_q_blocks = S // bq
+
+  def q_map(i, b, h):
+    return (b, _q_block_index(i, num_q_blocks, cfg.causal), h, 0)
+
+  def row_map(i, b, h):
+    return (b, h, _q_block_index(i, num_q_blocks, cfg.causal))
+
+  def kv_map(i, b, h):
+    return (b, 0, lax.div(h, group), 0)
+
+  q_spec = pl.BlockSpec((None, bq, None, D), q_map)
+  kv_full_spec = pl.BlockSpec((None, S, None, D), kv_map)
+  row_spec = pl.BlockSpec((None, None, bq), row_map)
+  in_specs = [q_spec, kv_full_spec, kv_full_spec, q_spec, row_spec, row_spec]
+  args = [q, k, v, do, lse_BHS, delta_BHS]
+  if cfg.has_segments:
+    in_specs += [
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))),
+        pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
+    ]
+    args += [q_seg, kv_seg]
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
+      grid=(num_q_blocks, B, H),
+      in_specs=in_specs,
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params,
+      interpret=cfg.interpret,
+      name="jaxtrain_flash_bwd_dq",
+  )(*args)
+  return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp plumbing: residuals are the inputs, the output and the fp32 log-sum-exp.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_core(cfg, q, k, v, q_seg, kv_seg):
+  return _forward(cfg, q, k, v, q_seg, kv_seg)[0]
+
+
+def _flash_core_fwd(cfg, q, k, v, q_seg, kv_seg):
+  out, lse_BHS = _forward(cfg, q, k, v, q_seg, kv_seg)
+  return out, (q, k, v, q_seg, kv_seg, out, lse_BHS)
+
+
+def _flash_core_bwd(cfg, residuals, do):
+  q, k, v, q_seg, kv_seg, out, lse_BHS = residuals
+  dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, out, lse_BHS, do)
+  return dq, dk, dv, None, None
+
+
+_flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_seq", "padded_head_dim"))
+def _flash_padded(q, k, v, q_seg, kv_seg, *, cfg, padded_seq, padded_head_dim):
+  S, D = q.shape[1], q.shape[3]
+  pad = ((0, 0), (0, padded_seq - S), (0, 0), (0, padded_head_dim - D))
+  if pad[1][1] or pad[3][1]:
+    # Zero head-dim padding leaves q.k and the real output columns unchanged.
+    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    if q_seg is not None and padded_seq != S:
+      q_seg = jnp.pad(q_seg, ((0, 0), (0, padded_seq - S)))
+      kv_seg = jnp.pad(kv_seg, ((0, 0), (0, padded_seq - S)))
+  out = _flash_core(cfg, q, k, v, q_seg, kv_seg)
+  return out[:, :S, :, :D]
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point.
+
+
+def _check_block(name: str, value: int) -> int:
+  if not isinstance(value, int) or value < _MIN_TILE or value & (value - 1):
+    raise FlashAttentionError(
+        f"{name}={value!r} must be a power of two >= {_MIN_TILE} (Triton tile constraint).")
+  return value
+
+
+def _fit_block(block: int, seq_len: int) -> int:
+  # A block longer than the (power-of-two rounded) sequence only adds padding.
+  return max(_MIN_TILE, min(block, pl.next_power_of_2(seq_len)))
+
+
+def _validate(q, k, v, q_seg, kv_seg):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if getattr(x, "ndim", None) != 4:
+      raise FlashAttentionError(
+          f"{name} must be 4-D [batch, seq, heads, head_dim]; got shape {getattr(x, 'shape', x)}.")
+  B, S, H, D = q.shape
+  if k.shape != v.shape:
+    raise FlashAttentionError(f"k and v must have the same shape; got k {k.shape}, v {v.shape}.")
+  Bk, Sk, K, Dk = k.shape
+  if Bk != B:
+    raise FlashAttentionError(f"batch mismatch: q has {B}, k/v have {Bk}.")
+  if Sk != S:
+    raise FlashAttentionError(
+        f"sequence mismatch: q has {S} tokens, k/v have {Sk}; this kernel does self-attention "
+        "only (equal q and kv lengths).")
+  if Dk != D:
+    raise FlashAttentionError(f"head_dim mismatch: q has {D}, k/v have {Dk}.")
+  if K == 0 or H % K:
+    raise FlashAttentionError(
+        f"num_heads={H} must be a multiple of num_kv_heads={K} (GQA groups query heads evenly "
+        "over kv heads); pick num_kv_heads among the divisors of num_heads.")
+  if not 1 <= D <= MAX_HEAD_DIM:
+    raise FlashAttentionError(
+        f"head_dim={D} is unsupported: must be in [1, {MAX_HEAD_DIM}] (non-powers of two and "
+        "dims below 16 are zero-padded).")
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if len(dtypes) != 1:
+    raise FlashAttentionError(
+        f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}.")
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise FlashAttentionError(
+        f"dtype {q.dtype} is unsupported; use one of float32, bfloat16, float16.")
+  for name, seg in (("q segment_ids", q_seg), ("kv segment_ids", kv_seg)):
+    if seg is None:
+      continue
+    if tuple(seg.shape) != (B, S):
+      raise FlashAttentionError(f"{name} must have shape [batch, seq] = {(B, S)}; "
+                                f"got {tuple(seg.shape)}.")
+    if not jnp.issubdtype(seg.dtype, jnp.integer):
+      raise FlashAttentionError(f"{name} must be an integer array; got {seg.dtype}.")
+
+
+def flash_attention(
+    q_BSHD: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    segment_ids_BS: SegmentIds = None,
+    *,
+    causal: bool = True,
+    sm_scale: Optional[float] = None,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+    block_q_bwd: Optional[int] = None,
+    block_k_bwd: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_warps_bwd: Optional[int] = None,
+    num_stages: Optional[int] = None,
+    num_stages_bwd: Optional[int] = None,
+    interpret: Optional[bool] = None,
+) -> jax.Array:
+  """Memory-efficient attention softmax(q k^T * sm_scale + mask) v, differentiable.
+
+  Args:
+    q_BSHD: queries [B, S, H, D]; float32, bfloat16 or float16.
+    k_BSKD, v_BSKD: keys/values [B, S, K, D] with H % K == 0 (K == 1 is MQA); same dtype as q.
+    segment_ids_BS: None, an int [B, S] array (packed documents: i attends to j only when their
+      ids match), or a pair (q_segment_ids, kv_segment_ids). Rows with no visible key return 0.
+    causal: also require j <= i.
+    sm_scale: logit scale, default 1/sqrt(D).
+    block_q, block_k: forward tile sizes; block_q_bwd, block_k_bwd: backward tile sizes
+      (dK/dV kernel keeps a block_k_bwd KV tile and loops over block_q_bwd q tiles; dQ the
+      reverse). Powers of two >= 16; None picks Hopper defaults by head_dim.
+    num_warps*, num_stages*: Triton launch parameters (GPU only).
+    interpret: run the Pallas interpreter; None means True unless the default backend is GPU.
+
+  Returns:
+    [B, S, H, D] in q's dtype. Softmax statistics and all accumulations are fp32.
+
+  A sequence length that is not a multiple of the block sizes is zero-padded up to one (padded
+  keys are masked) and the result sliced back; head dims that are not a power of two >= 16 are
+  zero-padded likewise. Both cost a copy of q/k/v; prefer aligned shapes. Raises
+  FlashAttentionError (a ValueError) on inconsistent shapes, dtypes, head_dim > 256 or bad blocks.
+  """
+  q_seg, kv_seg = _split_segments(segment_ids_BS)
+  _validate(q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg)
+  B, S, H, D = q_BSHD.shape
+  padded_d = max(_MIN_TILE, pl.next_power_of_2(D))
+  defaults = _default_blocks(padded_d)
+  blocks = []
+  for name, value, default in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"),
+                                  (block_q, block_k, block_q_bwd, block_k_bwd), defaults):
+    blocks.append(_check_block(name, value) if value is not None else _fit_block(default, S))
+  padded_s = -(-S // max(blocks)) * max(blocks)
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(D)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  if num_warps is None:
+    num_warps = 4 if padded_d <= 64 else 8
+  if num_warps_bwd is None:
+    num_warps_bwd = 4 if padded_d <= 64 else 8
+  cfg = _Config(
+      causal=bool(causal), sm_scale=float(sm_scale),
+      block_q=blocks[0], block_k=blocks[1], block_q_bwd=blocks[2], block_k_bwd=blocks[3],
+      kv_len=S if padded_s != S else None, has_segments=q_seg is not None,
+      num_warps=num_warps, num_warps_bwd=num_warps_bwd,
+      num_stages=3 if num_stages is None else num_stages,
+      num_stages_bwd=2 if num_stages_bwd is None else num_stages_bwd,
+      interpret=bool(interpret))
+  if q_seg is not None:
+    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+  return _flash_padded(q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg, cfg=cfg, padded_seq=padded_s,
+                       padded_head_dim=padded_d)

@@ -1,0 +1,67 @@
+import pytest
+
+from jaxtrain.config import ConfigError, load_config, load_recipe, apply_overrides, from_dict
+
+
+def test_recipes_load_and_derive():
+    tiny = load_config("configs/tiny.py")
+    assert tiny.model.num_layers == 4
+    c70 = load_config("configs/llama70b.py")
+    m = c70.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.mlp_size, m.vocab_size,
+            m.rope_theta, c70.train.seq_len, c70.train.global_batch) == (
+        80, 8192, 64, 8, 28672, 128256, 500000.0, 8192, 512)
+    c405 = load_config("configs/llama405b.py")
+    assert c405.model.num_layers == 126 and c405.model.rope_scaling is not None
+    assert load_config("configs/llama3_8b.py").model.hidden_size == 4096
+
+
+def test_overrides_are_typed():
+    cfg = load_config("configs/tiny.py", ["--train.steps=20", "--parallel.tensor=2",
+                                          "train.lr=1e-3", "--remat.modules=core_attn,mlp",
+                                          "--config.model.tie_embeddings=true",
+                                          "--model.rope_scaling.factor=4"])
+    assert cfg.train.steps == 20 and isinstance(cfg.train.steps, int)
+    assert cfg.parallel.tensor == 2 and cfg.train.lr == 1e-3
+    assert cfg.remat.modules == ("core_attn", "mlp")
+    assert cfg.model.tie_embeddings is True
+    assert cfg.model.rope_scaling.factor == 4.0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--train.stepz=3", "did you mean train.steps"),
+    ("--trian.steps=3", "did you mean train"),
+    ("--model.attention=palas", "did you mean 'pallas'"),
+    ("--train.steps=ten", "expected an integer"),
+    ("--model.tie_embeddings=maybe", "expected a boolean"),
+    ("--train.steps", "KEY=VALUE"),
+    ("--model=3", "is a section"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny.py", [override])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.num_kv_heads=3"], "num_heads=4 is not divisible by model.num_kv_heads=3"),
+    (["--train.seq_len=1024"], "exceeds model.max_seq_len"),
+    (["--parallel.microbatches=3"], "not divisible by parallel.microbatches=3"),
+    (["--parallel.data=3"], "global_batch=16 is not divisible by parallel.data=3"),
+    (["--parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),
+    (["--data.source=text"], "needs data.path"),
+    (["--parallel.data=-1", "--parallel.fsdp=-1"], "only one of"),
+])
+def test_invalid_configs_fail_early(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny.py", overrides)
+
+
+def test_missing_recipe_file():
+    with pytest.raises(ConfigError, match="no such file"):
+        load_recipe("configs/nope.py")
+
+
+def test_config_json_round_trip():
+    cfg = load_config("configs/llama405b.py")
+    again = from_dict(__import__("json").loads(cfg.to_json()))
+    assert again == cfg

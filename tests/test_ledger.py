@@ -1,0 +1,306 @@
+"""The ledger against hand-computed numbers (DESIGN.md §5). Pure Python, milliseconds."""
+import dataclasses
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxtrain import ledger
+from jaxtrain.config import (Config, ModelConfig, ParallelConfig, RematConfig, TrainConfig,
+                             load_recipe)
+from jaxtrain.ledger import comm, memory
+from jaxtrain.ledger.hardware import GiB
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def recipe(name):
+    return load_recipe(ROOT / "configs" / f"{name}.py")
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def test_llama3_8b_param_count():
+    counts = ledger.param_counts(recipe("llama3_8b").model)
+    assert counts.total == 8_030_261_248
+    assert counts.embedding == 128256 * 4096
+    assert counts.non_embedding == 8_030_261_248 - 128256 * 4096
+    # q, o: 4096², k, v: 4096·8·128, gate/up/down: 4096·14336, two RMSNorm scales.
+    assert counts.layer == 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+
+
+def test_llama3_70b_param_count():
+    counts = ledger.param_counts(recipe("llama70b").model)
+    assert counts.total == 70_553_706_496
+    assert counts.non_embedding == 70_553_706_496 - 128256 * 8192
+
+
+def test_tied_embeddings_count_once_and_as_lm_head():
+    model = dataclasses.replace(recipe("llama3_8b").model, tie_embeddings=True)
+    counts = ledger.param_counts(model)
+    assert counts.total == 8_030_261_248 - 128256 * 4096
+    assert counts.non_embedding == counts.total  # the one table is the lm_head matmul
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+def test_flops_per_token_8b_and_70b_at_8192():
+    n_8b = 8_030_261_248 - 128256 * 4096
+    assert ledger.model_flops_per_token(recipe("llama3_8b"), 8192) == \
+        6 * n_8b + 12 * 32 * 4096 * 8192
+    n_70b = 70_553_706_496 - 128256 * 8192
+    cfg = recipe("llama70b")
+    assert ledger.model_flops_per_token(cfg, 8192) == 6 * n_70b + 12 * 80 * 8192 * 8192
+    per_step = ledger.model_flops_per_token(cfg) * 512 * 8192
+    assert ledger.estimate(cfg, ledger.layout_from_config(cfg, 1024), "h100") \
+        .model_flops_per_step == pytest.approx(per_step)
+
+
+def test_hfu_flops_follow_remat():
+    cfg = recipe("llama3_8b")
+    s, layer = 8192, 218_112_000
+    base = 6 * (8_030_261_248 - 128256 * 4096) + 12 * 32 * 4096 * s
+    none = RematConfig(granularity="none")
+    full = RematConfig(granularity="full", method="uniform", num_layers=2)
+    sel = RematConfig(granularity="selective", modules=("core_attn",))
+    block = RematConfig(granularity="full", method="block", num_layers=2)
+    assert ledger.hfu_flops_per_token(cfg, none, seq_len=s) == base
+    assert ledger.hfu_flops_per_token(cfg, full, seq_len=s) == \
+        base + 32 * (2 * layer + 4 * 4096 * s)
+    assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s) == base + 32 * 4 * 4096 * s
+    # Block: the first 2 layers of each of 4 stages x 2 chunks are recomputed.
+    assert ledger.hfu_flops_per_token(cfg, block, (8, 8, 8, 8), 2, s) == \
+        base + 16 * (2 * layer + 4 * 4096 * s)
+    with pytest.raises(ValueError, match="unknown"):
+        ledger.recompute_flops_per_token(
+            cfg, RematConfig(granularity="selective", modules=("attention_blob",)))
+
+
+def test_mfu_and_hfu():
+    cfg = recipe("llama3_8b")
+    per_token = ledger.model_flops_per_token(cfg)
+    tokens_per_sec = 0.5 * 8 * 989e12 / per_token
+    assert ledger.mfu(cfg, tokens_per_sec, 8, 989e12) == pytest.approx(0.5)
+    cfg.remat = RematConfig(granularity="full")
+    assert ledger.hfu(cfg, tokens_per_sec, 8, 989e12) > 0.5 * 1.3  # full recompute ≈ +32%
+
+
+# ----------------------------------------------------------------------------- memory
+
+def test_bytes_per_param():
+    assert ledger.bytes_per_param() == 18
+    assert ledger.bytes_per_param(grad_bf16=True) == 16
+    held = ledger.held_bytes_per_param(ledger.Layout(data=8, zero1=True))
+    assert held == {"param": 2, "grad": 4, "optimizer": 12 / 8}
+    held = ledger.held_bytes_per_param(ledger.Layout(fsdp=8))
+    assert sum(held.values()) == 16 / 8
+
+
+def _cfg_8b(**parallel):
+    cfg = recipe("llama3_8b")
+    cfg.parallel = ParallelConfig(**parallel)
+    cfg.train.global_batch = 8
+    cfg.remat = RematConfig(granularity="full")
+    return cfg
+
+
+def test_zero1_and_fsdp_static_memory():
+    n = 8_030_261_248  # t=1: 128256 is already a multiple of 128
+    cfg = _cfg_8b(data=8, zero1=True)
+    est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 8), "h100")
+    assert est.params_local == n
+    assert est.static_bytes == pytest.approx(n * (2 + 4 + 12 / 8))
+    cfg = _cfg_8b(data=1, fsdp=8)
+    est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 8), "h100")
+    layer = 218_112_000
+    assert est.static_bytes == pytest.approx(n * 16 / 8 + 2 * 2 * layer)  # + 2 gathered layers
+    cfg = _cfg_8b(data=8)
+    assert ledger.estimate(cfg, ledger.layout_from_config(cfg, 8), "h100").static_bytes == \
+        pytest.approx(n * 18)
+
+
+def _gpt3_like():
+    # Korthikanti et al.'s shapes: h=12288, a=96, s=2048.
+    return Config(model=ModelConfig(vocab_size=51200, hidden_size=12288, num_layers=96,
+                                    num_heads=96, num_kv_heads=96, mlp_size=49152,
+                                    max_seq_len=2048, compute_dtype="bfloat16"),
+                  train=TrainConfig(global_batch=64, seq_len=2048))
+
+
+def test_korthikanti_activations_hand_example():
+    cfg = _gpt3_like()
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sp = ledger.Layout(tensor=t, data=1, micro_batch=b, microbatches=64, sequence_parallel=True)
+    per_layer = memory.layer_activation_bytes(cfg, sp, s, drop_scores=False)
+    assert per_layer == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t * 1.2)
+    assert per_layer == pytest.approx(2048 * 12288 * (34 + 80) / 8 * 1.2)
+    flash = memory.layer_activation_bytes(cfg, sp, s, drop_scores=True)
+    assert flash == pytest.approx(2048 * 12288 * 34 / 8 * 1.2)
+    no_sp = dataclasses.replace(sp, sequence_parallel=False)
+    assert memory.layer_activation_bytes(cfg, no_sp, s, drop_scores=False) == pytest.approx(
+        s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * 1.2)
+    assert memory.layer_checkpoint_bytes(cfg, sp, s) == 2 * s * b * h / t
+
+
+def test_inflight_microbatches_by_schedule():
+    layers = (24, 24, 24, 24)  # L = 96, p = 4
+    one_f_one_b = ledger.Layout(stage=4, microbatches=16)
+    assert memory.inflight_layer_microbatches(one_f_one_b, layers)[0] == 96  # = L
+    interleaved = ledger.Layout(stage=4, virtual_stages=3, microbatches=16,
+                                schedule="interleaved_1f1b")
+    assert memory.inflight_layer_microbatches(interleaved, layers)[0] == pytest.approx(
+        96 * (1 + 3 / (4 * 3)))
+    gpipe = ledger.Layout(stage=4, microbatches=16, schedule="gpipe")
+    assert memory.inflight_layer_microbatches(gpipe, layers)[0] == 16 * 24
+    few = ledger.Layout(stage=4, microbatches=2)
+    assert memory.inflight_layer_microbatches(few, layers) == [48, 48, 48, 24]
+
+
+def test_activations_in_estimate_for_1f1b_and_full_recompute():
+    cfg = _gpt3_like()
+    cfg.model.attention = "xla"
+    cfg.parallel = ParallelConfig(tensor=8, sequence_parallel=True, stage=4, data=2,
+                                  microbatches=8)
+    cfg.remat = RematConfig(granularity="selective", modules=("core_attn",))
+    layout = ledger.layout_from_config(cfg, 64)
+    assert layout.micro_batch == 4
+    sbh = 2048 * 4 * 12288
+    est = ledger.estimate(cfg, layout, "h100")
+    assert est.activation_bytes == pytest.approx(96 * sbh * 34 / 8 * 1.2)
+    assert est.activation_bytes_by_remat["none"] == pytest.approx(
+        96 * sbh * (34 + 5 * 96 * 2048 / 12288) / 8 * 1.2)
+    # Full recompute: 2sbh/t per layer kept, plus one layer re-materialised at a time.
+    assert est.activation_bytes_by_remat["full"] == pytest.approx(
+        96 * 2 * sbh / 8 + sbh * (34 + 80) / 8 * 1.2)
+
+
+def test_budget_reserve_and_overflow():
+    cfg = recipe("llama70b")
+    est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 1024), "h100")
+    assert est.budget_bytes == 0.9 * 80 * GiB
+    assert 7.5 * GiB < est.reserve_bytes < 8.5 * GiB  # DESIGN.md: 8 GB at 70B scale
+    assert est.fits and est.total_bytes == pytest.approx(
+        est.static_bytes + est.activation_bytes + est.reserve_bytes)
+    small = memory.reserve_bytes(recipe("tiny"), ledger.Layout(), 128)
+    assert small < 0.5 * GiB  # scales down with the hidden size
+    # Pipeline off: 70B's static state no longer fits beside its activations.
+    too_big = ledger.Layout(tensor=8, stage=1, data=128, micro_batch=1, microbatches=4,
+                            sequence_parallel=True, zero1=True)
+    est = ledger.estimate(cfg, too_big, "h100", remat=RematConfig(granularity="none"))
+    assert not est.fits and est.overflow == "static"
+    assert "static" in est.reason and "budget" in est.reason
+    long_acts = ledger.Layout(tensor=4, stage=8, data=32, micro_batch=1, microbatches=16,
+                              sequence_parallel=True, zero1=True)
+    est = ledger.estimate(cfg, long_acts, "h100", remat=RematConfig(granularity="none"))
+    assert not est.fits and est.overflow == "activations"
+    assert ledger.estimate(cfg, long_acts, "h200",
+                           remat=RematConfig(granularity="none")).fits  # 140 GiB
+
+
+# ----------------------------------------------------------------------------- communication
+
+def _small():
+    cfg = Config(model=ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=8,
+                                   num_heads=16, num_kv_heads=8, mlp_size=4096,
+                                   max_seq_len=2048),
+                 train=TrainConfig(global_batch=32, seq_len=2048))
+    cfg.parallel = ParallelConfig(tensor=2, sequence_parallel=True, stage=2, data=2,
+                                  microbatches=4, zero1=True)
+    return cfg
+
+
+def test_comm_formulas_small_layout():
+    cfg = _small()
+    layout = ledger.layout_from_config(cfg, 8)
+    assert (layout.data, layout.micro_batch, layout.microbatches) == (2, 4, 4)
+    est = ledger.estimate(cfg, layout, "h100")
+    s, b, h = 2048, 4, 1024
+    assert est.comm_bytes["tp"] == 8 * (1 / 2) * s * b * h * 2 * 4 * 4  # 4 layers x 4 microbatches
+    assert est.comm_bytes["pp"] == 2 * s * b * h * 2 / 2 * 4
+    layer_local = (1024 * 1024 * 2 + 3 * 1024 * 4096) / 2 + 2 * 1024 * 512 / 2 + 2 * 1024
+    first = 4 * layer_local + 32000 * 1024 / 2         # embedding (vocab-parallel)
+    last = 4 * layer_local + 32000 * 1024 / 2 + 1024   # lm_head + final norm
+    assert est.worst_stage == 0 and est.params_local == first  # stage 0 holds most activations
+    n_local = max(first, last)
+    assert est.comm_bytes["dp"] == 2 * n_local * 2
+    assert est.comm_bytes["fsdp"] == est.comm_bytes["cp"] == 0
+    assert set(est.comm_links.values()) == {"nvlink"}  # 8 devices: one node
+    fsdp = dataclasses.replace(layout, data=1, fsdp=2, zero1=False)
+    assert comm.fsdp_bytes(fsdp, n_local) == 3 * n_local * 2 * 4
+    interleaved = dataclasses.replace(layout, virtual_stages=2, schedule="interleaved_1f1b")
+    assert comm.pp_bytes(cfg, interleaved, 2048) == 2 * est.comm_bytes["pp"]
+
+
+def test_links_follow_device_order():
+    gpu = ledger.get_gpu("h100")
+    layout = ledger.Layout(tensor=8, stage=4, data=32)
+    assert comm.link(layout, ("tensor",), gpu) == ("nvlink", 450e9)
+    assert comm.link(layout, ("context", "data"), gpu) == ("nic", 50e9)
+    assert comm.link(layout, ("stage",), gpu)[0] == "nic"
+    assert comm.link(ledger.Layout(tensor=2, data=4), ("context", "data"), gpu)[0] == "nvlink"
+
+
+def test_bubble_and_ideal_step():
+    assert ledger.bubble_fraction(4, 16, 5) == 3 / 80
+    assert ledger.bubble_fraction(8, 64) == 7 / 64
+    assert ledger.bubble_fraction(1, 4) == 0
+    cfg = recipe("llama70b")
+    est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 1024), "h100")
+    assert est.bubble == 3 / 80
+    assert est.ideal_step_s == pytest.approx(est.model_flops_per_step / (1024 * 989e12))
+    low, high = est.expected_mfu
+    assert 0.2 < low < high < 0.8
+    assert est.expected_step_s[0] > est.ideal_step_s
+
+
+# ----------------------------------------------------------------------------- layout, hardware
+
+def test_layout_from_config_resolves_fill():
+    layout = ledger.layout_from_config(recipe("llama70b"), 1024)
+    assert (layout.tensor, layout.stage, layout.data, layout.virtual_stages) == (8, 4, 32, 5)
+    assert layout.micro_batch == 512 // (32 * 16) == 1
+    assert layout.sequence_parallel and layout.zero1 and layout.n_devices == 1024
+
+
+@pytest.mark.parametrize("change, n, match", [
+    ({}, 1000, "not divisible by"),
+    ({"stage": 3, "virtual_stages": 1}, 768, "num_layers=80 is not divisible"),
+    ({"virtual_stages": 3}, 1024, "num_layers=80"),
+    ({"microbatches": 6}, 1024, "global_batch=512"),
+    ({"microbatches": 2, "virtual_stages": 5}, 1024, "divisible by stage"),
+    ({"tensor": 128}, 1024, "num_heads=64 is not divisible by tensor=128"),
+    ({"tensor": 3}, 384, "num_heads=64 is not divisible"),
+])
+def test_layout_errors(change, n, match):
+    cfg = recipe("llama70b")
+    cfg.parallel = dataclasses.replace(cfg.parallel, **change)
+    with pytest.raises(ledger.LayoutError, match=match):
+        ledger.layout_from_config(cfg, n)
+
+
+def test_gpu_table():
+    assert ledger.get_gpu("H100").bf16_flops == 989e12
+    assert ledger.get_gpu("h200").hbm_bytes > ledger.get_gpu("h100").hbm_bytes
+    assert ledger.get_gpu("a100").bf16_flops == 312e12
+    assert ledger.get_gpu("cpu").estimate and not ledger.get_gpu("h100").estimate
+    assert ledger.gpu_for_device_kind("NVIDIA H100 80GB HBM3").name == "h100"
+    with pytest.raises(ledger.UnknownGpuError, match="h100.*h200.*a100.*cpu"):
+        ledger.get_gpu("b200")
+
+
+def test_describe_and_speed():
+    cfg = recipe("llama70b")
+    layout = ledger.layout_from_config(cfg, 1024)
+    start = time.perf_counter()
+    est = ledger.estimate(cfg, layout, "h100")
+    assert time.perf_counter() - start < 0.05
+    text = ledger.describe(est)
+    assert "tensor=8" in text and "fits" in text and "MFU" in text and "bubble 3.8%" in text
+
+
+def test_ledger_imports_without_jax():
+    code = ("import sys, jaxtrain.ledger, jaxtrain.plan; "
+            "assert 'jax' not in sys.modules, 'ledger pulled in jax'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

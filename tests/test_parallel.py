@@ -1,0 +1,81 @@
+"""Every parallel layout computes what one device computes (fp32, 2 steps)."""
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import sharding, step
+from jaxtrain.ledger.layout import LayoutError
+from util import random_batch, tiny_config
+
+LAYOUTS = {
+    "data8": ["--parallel.data=8"],
+    "fsdp8": ["--parallel.data=1", "--parallel.fsdp=8"],
+    "tensor4_data2": ["--parallel.data=2", "--parallel.tensor=4"],
+    "data2_fsdp2_tensor2": ["--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2"],
+    "tensor2_sp_fsdp4": ["--parallel.data=1", "--parallel.fsdp=4", "--parallel.tensor=2",
+                         "--parallel.sequence_parallel=true"],
+    "zero1_data4_tensor2": ["--parallel.data=4", "--parallel.tensor=2", "--parallel.zero1=true"],
+    "data2_fsdp2_tensor2_mb4": ["--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
+                                "--parallel.microbatches=4"],
+}
+# vocab 512: the same padded size (multiple of 128 x tensor) for every layout here.
+BASE = ("--model.vocab_size=512", "--train.global_batch=16", "--train.lr=1e-2")
+
+
+def _run(overrides, devices, params0):
+    cfg = tiny_config(*BASE, *overrides)
+    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, devices))
+    grad_step = step.make_grad_step(setup)
+    b0, b1 = random_batch(cfg, 0), random_batch(cfg, 1)
+    if params0 is None:
+        params0 = jax.device_get(step.init_train_state(setup, 0)["params"])
+    state = step.train_state_from_params(setup, params0)
+    loss0, _, g0 = grad_step(state["params"], b0)
+    # Gradients at a second point, reached by a plain SGD step (Adam's first step is
+    # sign(g)·lr, which turns float noise in near-zero gradients into visible differences).
+    params1 = jax.tree.map(lambda p, g: p - 0.5 * g, state["params"], g0)
+    loss1, _, g1 = grad_step(params1, b1)
+    # The real train step (Adam, ZeRO-1 sharded state) for two steps.
+    train_step = step.make_train_step(setup)
+    state, m0 = train_step(state, b0)
+    state, m1 = train_step(state, b1)
+    out = {"loss": [float(loss0), float(loss1)], "grads": jax.device_get([g0, g1]),
+           "adam_loss": [float(m0["loss"]), float(m1["loss"])]}
+    return out, params0
+
+
+@pytest.fixture(scope="module")
+def reference():
+    out, params0 = _run(["--parallel.data=1"], jax.devices()[:1], None)
+    return out, params0
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_equals_one_device(name, reference):
+    ref, params0 = reference
+    got, _ = _run(LAYOUTS[name], jax.devices(), params0)
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["adam_loss"], ref["adam_loss"], rtol=1e-5)
+    for g_got, g_ref in zip(got["grads"], ref["grads"]):
+        for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_ref)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallel.data=7"], "needs 7 devices but there are 8"),
+    (["--parallel.data=1", "--parallel.tensor=8", "--model.num_heads=4"],
+     "num_heads=4 is not divisible by tensor=8"),
+    (["--parallel.data=-1", "--parallel.tensor=3"], "not divisible by"),
+    (["--parallel.data=2", "--parallel.tensor=4", "--model.mlp_size=130"],
+     "mlp_size=130 is not divisible by tensor=4"),
+])
+def test_bad_layouts_fail_before_compiling(overrides, message):
+    cfg = tiny_config(*overrides)
+    with pytest.raises(LayoutError, match=message):
+        step.build(cfg, sharding.make_mesh(cfg.parallel))
+
+
+def test_sequence_parallel_without_tensor_is_a_config_error():
+    from jaxtrain.config import ConfigError
+    with pytest.raises(ConfigError, match="needs parallel.tensor > 1"):
+        tiny_config("--parallel.sequence_parallel=true")

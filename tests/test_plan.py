@@ -1,0 +1,108 @@
+"""The planner: its pick for Llama 70B, the JSON contract, explicit layouts and bad input."""
+import json
+import pathlib
+
+import pytest
+
+from jaxtrain import ledger, plan
+from jaxtrain.config import load_recipe
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CFG_70B = str(ROOT / "configs" / "llama70b.py")
+JSON_KEYS = {"tensor", "stage", "data", "context", "virtual_stages", "micro_batch",
+             "microbatches", "bubble", "static_gb", "activation_gb", "total_gb", "fits",
+             "dp_comm_gb", "tp_comm_gb", "pp_comm_gb", "fsdp_comm_gb", "ideal_step_s",
+             "expected_mfu_low", "expected_mfu_high"}
+
+
+def run(capsys, *args):
+    rc = plan.main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_llama70b_on_1024_h100_picks_a_fitting_tensor_8_layout():
+    cfg = load_recipe(CFG_70B)
+    result = plan.plan(cfg, 1024, "h100")
+    rec = result.recommended
+    assert rec is not None and rec.estimate.fits
+    L = rec.estimate.layout
+    assert L.tensor == 8 and L.n_devices == 1024 and L.sequence_parallel and L.zero1
+    assert L.context == 1  # 8K tokens: no context parallelism
+    assert rec.estimate.total_bytes <= 0.9 * 80 * ledger.GiB
+    # Every fitting alternative has a lower (or equal) expected MFU and a reason.
+    mid = sum(rec.estimate.expected_mfu) / 2
+    for c in result.candidates:
+        assert c.why
+        if c is not rec and c.estimate.fits:
+            assert sum(c.estimate.expected_mfu) / 2 <= mid
+    assert any(not c.estimate.fits for c in result.candidates)  # the walk shows failures
+    assert any(c.role.endswith("configured") for c in result.candidates)
+
+
+def test_table_output(capsys):
+    rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--gpu", "h100")
+    assert rc == 0
+    for column in ("tensor", "stage", "bubble", "static", "act none/sel/full", "total",
+                   "DP GB/s", "TP GB/s", "PP GB/s", "FSDP GB/s", "MFU"):
+        assert column in out
+    assert "recommended (#" in out and "why the others lose" in out and "derivation" in out
+
+
+def test_json_keys_and_batch_arithmetic(capsys):
+    rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--gpu", "h100", "--json")
+    assert rc == 0
+    rows = json.loads(out)
+    assert rows and all(JSON_KEYS <= set(r) for r in rows)
+    for r in rows:
+        assert r["microbatches"] == 512 // (r["data"] * r["micro_batch"])
+        assert r["tensor"] * r["stage"] * r["data"] * r["context"] == 1024
+    assert sum(r["role"].startswith("recommended") for r in rows) == 1
+
+
+def test_explicit_layout(capsys):
+    rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--gpu", "h100", "--json",
+                     "--tensor", "8", "--stage", "4", "--virtual-stages", "5")
+    assert rc == 0
+    (row,) = json.loads(out)
+    assert (row["tensor"], row["stage"], row["data"], row["virtual_stages"]) == (8, 4, 32, 5)
+    assert (row["micro_batch"], row["microbatches"]) == (1, 16)
+    assert row["bubble"] == pytest.approx(3 / 80) and row["fits"]
+    rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--stage", "8",
+                     "--virtual-stages", "1", "--micro-batch", "2")
+    assert rc == 0 and "micro_batch=2 x 16 microbatches" in out and "bubble 43.8%" in out
+    # Two stages with two sequences per microbatch: activations overflow, exit code 1.
+    rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--stage", "2",
+                     "--virtual-stages", "1", "--micro-batch", "2")
+    assert rc == 1 and "activations overflow" in out
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--gpu", "b200"], "unknown GPU 'b200'; known: h100"),
+    (["--tensor", "3"], "not divisible"),
+    (["--stage", "3"], "not divisible"),
+    (["--virtual-stages", "3"], "num_layers=80"),
+    (["--micro-batch", "3"], "--micro-batch=3"),
+    (["--tensor", "0"], "must be >= 1"),
+])
+def test_bad_input_exits_2(capsys, args, match):
+    rc, _, err = run(capsys, "--config", CFG_70B, "--devices", "1024", *args)
+    assert rc == 2 and "error" in err and match in err
+
+
+def test_devices_not_whole_nodes(capsys):
+    rc, _, err = run(capsys, "--config", CFG_70B, "--devices", "1020")
+    assert rc == 2 and "8-GPU nodes" in err
+
+
+def test_nothing_fits_exits_1(capsys):
+    rc, out, _ = run(capsys, "--config", str(ROOT / "configs" / "llama405b.py"), "--devices", "8")
+    assert rc == 1 and "nothing fits" in out
+
+
+def test_long_sequence_brings_context_parallelism():
+    cfg = plan.with_shape(load_recipe(CFG_70B), seq_len=131072, global_batch=32)
+    result = plan.plan(cfg, 1024, "h100")
+    assert any("context=" in w for w in result.walk)
+    rec = result.recommended.estimate
+    assert rec.fits and rec.layout.context > 1 and rec.comm_bytes["cp"] > 0

@@ -1,0 +1,66 @@
+"""End to end: the trainer on the embedded corpus, checkpoints, resume, bad input."""
+import json
+
+import pytest
+
+from jaxtrain import trainer
+from jaxtrain.checkpoint import CheckpointMismatchError
+from jaxtrain.config import apply_overrides
+from util import tiny_config
+
+
+def _losses(workdir):
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_loss_falls_on_the_corpus_and_metrics_are_written(tmp_path):
+    cfg = tiny_config("--train.steps=40", "--train.lr=1e-2", "--train.log_every=1",
+                      "--train.eval_every=20", "--train.eval_batches=1", workdir=str(tmp_path))
+    final = trainer.train(cfg)
+    losses = _losses(tmp_path)
+    # Step 2 is the first logged (step 1 is timed with compilation). Bytes start near
+    # uniform (ln 259 = 5.6) and the model quickly learns byte statistics and more.
+    first, last = losses[2], sum(losses[s] for s in range(36, 41)) / 5
+    assert last < first - 2.0 and last < 2.6, losses
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("step", "loss", "tokens_per_sec", "tokens_per_sec_per_device", "step_time_s",
+                "mfu", "hfu", "grad_norm", "lr"):
+        assert key in record
+    assert 0 < record["mfu"] < 1 and record["hfu"] >= record["mfu"]
+    assert "eval_loss" in final
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 40
+    assert "git_commit" in json.loads((tmp_path / "run.json").read_text())
+    assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    common = ("--train.steps=6", "--checkpoint.every=100", "--checkpoint.async_save=false")
+    straight = tiny_config(*common, workdir=str(tmp_path / "a"))
+    trainer.train(straight)
+    stopped = tiny_config(*common, "--train.exit_interval=3", workdir=str(tmp_path / "b"))
+    trainer.train(stopped)  # exits after step 3 with a checkpoint
+    assert max(_losses(tmp_path / "b")) == 3
+    trainer.train(stopped)  # resumes at 3, runs to 6
+    # The first step of each run is not logged (its time includes compilation).
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert sorted(b) == [2, 3, 5, 6]
+    assert [a[s] for s in b] == [b[s] for s in b]  # bit-exact
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    cfg = tiny_config("--train.steps=4", "--checkpoint.async_save=false", workdir=str(tmp_path))
+    trainer.train(cfg)
+    apply_overrides(cfg, ["--train.steps=8", "--train.lr=1e30", "--train.grad_clip=0",
+                          "--train.warmup_steps=0"])
+    with pytest.raises(trainer.NonFiniteLossError, match="last good checkpoint is kept"):
+        trainer.train(cfg)
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [4]
+
+
+def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
+    trainer.train(tiny_config("--train.steps=1", workdir=str(tmp_path)))
+    wider = tiny_config("--train.steps=2", "--model.mlp_size=192", workdir=str(tmp_path))
+    with pytest.raises(CheckpointMismatchError, match=r"w_down/kernel.*\(2, 128, 64\)"):
+        trainer.train(wider)
