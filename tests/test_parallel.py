@@ -62,7 +62,7 @@ def test_layout_equals_one_device(name, reference):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--parallel.data=7"], "needs 7 devices but there are 8"),
+    (["--parallel.data=7", "--train.global_batch=14"], "needs 7 devices but there are 8"),
     (["--parallel.data=1", "--parallel.tensor=8", "--model.num_heads=4"],
      "num_heads=4 is not divisible by tensor=8"),
     (["--parallel.data=-1", "--parallel.tensor=3"], "not divisible by"),
