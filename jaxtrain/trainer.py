@@ -69,6 +69,10 @@ def train(cfg: Config, *, log=print) -> dict:
     workdir = pathlib.Path(cfg.train.workdir)
     is_main = jax.process_index() == 0
     mesh = sharding.make_mesh(cfg.parallel)
+    if cfg.remat.policy == "auto":  # decided by compiling candidates (remat_sweep)
+        from jaxtrain.remat_sweep import choose_policy
+        cfg.remat = choose_policy(cfg, mesh)
+        log(f"remat.policy=auto chose {cfg.remat}")
     setup = step_lib.build(cfg, mesh)
     tokenizer = data_lib.make_tokenizer(cfg.data)
     data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
