@@ -10,8 +10,18 @@ def main(argv=None):
     parser.add_argument("--config", required=True, help="a recipe file in configs/")
     parser.add_argument("--inspect-sharding", action="store_true",
                         help="print where every parameter lives on the mesh, then exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="compile the train step from abstract parameters on the present "
+                             "devices (the layout scaled to fit them), print compiled memory and "
+                             "collectives next to the ledger's prediction, then exit")
+    parser.add_argument("--gpu", default="h100",
+                        help="the GPU the ledger plans for: h100 (default), h200, a100, cpu")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="plan the configured layout for N devices (resolves its -1 fill); "
+                             "default: the fewest on which it fits --gpu per the ledger")
     args, overrides = parser.parse_known_args(argv)
-    return cli.run(args.config, overrides, inspect_sharding=args.inspect_sharding)
+    return cli.run(args.config, overrides, inspect_sharding=args.inspect_sharding,
+                   dry_run=args.dry_run, gpu=args.gpu, devices=args.devices)
 
 
 if __name__ == "__main__":

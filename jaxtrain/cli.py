@@ -1,7 +1,10 @@
-"""What `train.py` does with its arguments: load and validate the config, then inspect or train.
+"""What `train.py` does with its arguments: load and validate the config, check the devices,
+then inspect, dry-run or train.
 
 Errors a user can cause (ConfigError and its subclasses) print one clear line and exit 2
-before anything expensive starts.
+before anything expensive starts. Too few devices for the configured layout is one of them:
+the ledger's plan for the layout is printed first (jaxtrain.dry_run explains how the device
+count of a layout with a -1 fill is chosen), and nothing is compiled or allocated.
 """
 from __future__ import annotations
 
@@ -21,10 +24,24 @@ def maybe_initialize_distributed() -> None:
         maybe_initialize_distributed.done = True
 
 
-def run(config_path: str, overrides, *, inspect_sharding: bool = False) -> int:
+def run(config_path: str, overrides, *, inspect_sharding: bool = False, dry_run: bool = False,
+        gpu: str = "h100", devices: int | None = None) -> int:
+    """`gpu`: what the ledger plans for; `devices`: the device count to plan the configured
+    layout for (resolves a -1 fill), which training requires to be the devices present."""
+    from jaxtrain import dry_run as dry_run_lib
+    from jaxtrain.ledger import get_gpu
     try:
         cfg = load_config(config_path, overrides)
+        plan_gpu = get_gpu(gpu)
+        if devices is not None and devices < 1:
+            raise ConfigError(f"--devices={devices}: need at least one device")
         maybe_initialize_distributed()
+        if dry_run:
+            report = dry_run_lib.dry_run(cfg, plan_gpu, devices=devices, config_name=config_path,
+                                         echo=lambda s: print(s, file=sys.stderr, flush=True))
+            print(report.format())
+            return 0
+        check_devices(cfg, plan_gpu, devices, config_path)
         if inspect_sharding:
             print(inspect(cfg))
             return 0
@@ -34,6 +51,24 @@ def run(config_path: str, overrides, *, inspect_sharding: bool = False) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def check_devices(cfg, gpu, devices: int | None, config_name: str) -> None:
+    """Raise TooFewDevicesError (after printing the ledger's plan) when the present devices
+    cannot hold the configured layout; runs before any compile or allocation."""
+    import jax
+
+    from jaxtrain import dry_run as dry_run_lib
+    present = jax.device_count()
+    if present < dry_run_lib.needed_devices(cfg, devices):
+        planned = dry_run_lib.plan_devices(cfg, gpu, devices)
+        print(dry_run_lib.format_planned(planned, config_name), flush=True)
+        raise dry_run_lib.TooFewDevicesError(dry_run_lib.too_few_devices_message(
+            cfg, present, jax.devices()[0].platform, planned, devices))
+    if devices is not None and devices != present:
+        raise ConfigError(f"--devices={devices} but {present} devices are present and training "
+                          "uses all of them; drop --devices (it plans a layout for another "
+                          "device count, with --dry-run or on too few devices)")
 
 
 def inspect(cfg) -> str:

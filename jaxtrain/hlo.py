@@ -146,6 +146,7 @@ class _Computation:
 
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
 _METADATA_RE = re.compile(r",?\s*metadata=\{[^{}]*\}")
 
 
@@ -185,6 +186,7 @@ def _parse_instr(line: str) -> _Instr | None:
     if not m:
         return None
     name, rest = m.group(1), _METADATA_RE.sub("", m.group(2)).strip()
+    rest = _COMMENT_RE.sub("", rest)  # long operand lists carry `/*index=5*/` comments
     if rest.startswith("("):
         end = _matching(rest, 0)
         shape, rest = rest[: end + 1], rest[end + 1:].lstrip()
@@ -659,6 +661,55 @@ def format_summary(colls: Sequence[Collective]) -> str:
 
 
 # ----------------------------------------------------------------------------- flops, memory
+
+# ----------------------------------------------------------------------------- matmul FLOPs
+
+_DIMS_RE = re.compile(r"\b[a-z][a-z0-9]*\[([^\]]*)\]")
+_DOT_CONTRACT_RE = re.compile(r"lhs_contracting_dims=\{([\d,\s]*)\}")
+_GEMM_CONTRACT_RE = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+_GEMM_TARGET_RE = re.compile(r'custom_call_target="[^"]*(?:gemm|matmul)', re.IGNORECASE)
+
+
+def _dims(shape: str | None) -> list[int] | None:
+    m = _DIMS_RE.search(shape or "")  # the first array of a tuple (a GEMM's result)
+    if not m:
+        return None
+    return [int(d.strip().removeprefix("<=")) for d in m.group(1).split(",") if d.strip()]
+
+
+def _matmul_flops(instr, comp) -> int:
+    if instr.opcode == "dot":
+        contract = _DOT_CONTRACT_RE.search(instr.attrs)
+    elif instr.opcode == "custom-call" and _GEMM_TARGET_RE.search(instr.attrs):
+        contract = _GEMM_CONTRACT_RE.search(instr.attrs)
+    else:
+        return 0
+    lhs_shape = instr.operand_shapes[0] if instr.operand_shapes else None
+    if lhs_shape is None and instr.operands and instr.operands[0] in comp.by_name:
+        lhs_shape = comp.by_name[instr.operands[0]].shape
+    out, lhs = _dims(instr.shape), _dims(lhs_shape)
+    if out is None or lhs is None or contract is None:
+        raise HloParseError(f"cannot size the matmul %{instr.name} in {comp.name}")
+    k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contract.group(1)))
+    return 2 * math.prod(out) * k
+
+
+def matmul_flops_from_text(text: str) -> float:
+    """Matmul FLOPs of one execution of an optimized HLO module, loops counted by trip count."""
+    comps, entry = parse_module(text)
+    reach = _reach(comps, entry)
+    return float(sum(_matmul_flops(i, c) * reach[c.name].count
+                     for c in comps.values() for i in c.instrs))
+
+
+def matmul_flops(compiled) -> float:
+    """Per-device matmul FLOPs of a compiled step, every loop counted by its trip count.
+
+    XLA's own `cost_analysis()` counts a while body once, so it undercounts scanned layers
+    (`compiled_flops`); this counts dots and cuBLAS GEMM custom calls only, not elementwise
+    work or matmuls hidden inside Pallas/cuDNN kernels."""
+    return matmul_flops_from_text(compiled.as_text())
+
 
 def compiled_flops(compiled: Any) -> float:
     """FLOPs of one execution of the compiled (per-device, partitioned) program."""

@@ -32,7 +32,7 @@ import pathlib
 import re
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,51 +49,6 @@ from jaxtrain.ledger.layout import layout_from_config, stage_layer_counts
 log = logging.getLogger("jaxtrain.remat")
 
 CSV_NAME, PNG_NAME = "remat_sweep.csv", "remat_sweep.png"
-
-
-# ----------------------------------------------------------------------------- HLO FLOPs
-
-_DIMS_RE = re.compile(r"\b[a-z][a-z0-9]*\[([^\]]*)\]")
-_DOT_CONTRACT_RE = re.compile(r"lhs_contracting_dims=\{([\d,\s]*)\}")
-_GEMM_CONTRACT_RE = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
-_GEMM_TARGET_RE = re.compile(r'custom_call_target="[^"]*(?:gemm|matmul)', re.IGNORECASE)
-
-
-def _dims(shape: str | None) -> list[int] | None:
-    m = _DIMS_RE.search(shape or "")  # the first array of a tuple (a GEMM's result)
-    if not m:
-        return None
-    return [int(d.strip().removeprefix("<=")) for d in m.group(1).split(",") if d.strip()]
-
-
-def _matmul_flops(instr, comp) -> int:
-    if instr.opcode == "dot":
-        contract = _DOT_CONTRACT_RE.search(instr.attrs)
-    elif instr.opcode == "custom-call" and _GEMM_TARGET_RE.search(instr.attrs):
-        contract = _GEMM_CONTRACT_RE.search(instr.attrs)
-    else:
-        return 0
-    lhs_shape = instr.operand_shapes[0] if instr.operand_shapes else None
-    if lhs_shape is None and instr.operands and instr.operands[0] in comp.by_name:
-        lhs_shape = comp.by_name[instr.operands[0]].shape
-    out, lhs = _dims(instr.shape), _dims(lhs_shape)
-    if out is None or lhs is None or contract is None:
-        raise hlo.HloParseError(f"cannot size the matmul %{instr.name} in {comp.name}")
-    k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contract.group(1)))
-    return 2 * math.prod(out) * k
-
-
-def matmul_flops_from_text(text: str) -> float:
-    """Matmul FLOPs of one execution of an optimized HLO module, loops counted by trip count."""
-    comps, entry = hlo.parse_module(text)
-    reach = hlo._reach(comps, entry)
-    return float(sum(_matmul_flops(i, c) * reach[c.name].count
-                     for c in comps.values() for i in c.instrs))
-
-
-def matmul_flops(compiled: Any) -> float:
-    """Per-device matmul FLOPs of a compiled step (see the module docstring)."""
-    return matmul_flops_from_text(compiled.as_text())
 
 
 # ----------------------------------------------------------------------------- one policy
@@ -202,7 +157,7 @@ def measure(cfg: Config, mesh, *, run: bool = False, steps: int = 5,
     mem = hlo.memory(compiled)
     act, recompute = ledger_estimates(cfg, mesh)
     row = Row(policy=remat.label(cfg.remat), temp_bytes=mem["temp_bytes"],
-              total_bytes=mem["total_bytes"], flops=matmul_flops(compiled),
+              total_bytes=mem["total_bytes"], flops=hlo.matmul_flops(compiled),
               ledger_activation_bytes=act, ledger_recompute_overhead=recompute,
               compile_s=seconds)
     if run:

@@ -1,6 +1,6 @@
 import pytest
 
-from jaxtrain.config import ConfigError, load_config, load_recipe, apply_overrides, from_dict
+from jaxtrain.config import ConfigError, load_config, load_recipe, from_dict
 
 
 def test_recipes_load_and_derive():

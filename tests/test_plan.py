@@ -62,7 +62,7 @@ def test_json_keys_and_batch_arithmetic(capsys):
 
 def test_explicit_layout(capsys):
     rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--gpu", "h100", "--json",
-                     "--tensor", "8", "--stage", "4", "--virtual-stages", "5")
+                     "--tensor", "8", "--stage", "4", "--virtual-stages", "5", "--micro-batch", "1")
     assert rc == 0
     (row,) = json.loads(out)
     assert (row["tensor"], row["stage"], row["data"], row["virtual_stages"]) == (8, 4, 32, 5)

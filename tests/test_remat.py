@@ -70,7 +70,7 @@ def one_device():
         compiled = _compile_value_and_grad(_cfg(policy), mesh, params, mb)
         loss, grads = compiled(params, mb)
         out[policy] = (float(loss), jax.device_get(grads), hlo.memory(compiled)["temp_bytes"],
-                       remat_sweep.matmul_flops(compiled))
+                       hlo.matmul_flops(compiled))
     return out, params, mb
 
 
@@ -183,7 +183,7 @@ ENTRY %main (a: f32[4,8], w.1: f32[8,8]) -> f32[4,8] {
 
 def test_matmul_flops_count_loop_trips_and_gemm_custom_calls():
     per_matmul = 2 * 4 * 8 * 8
-    assert remat_sweep.matmul_flops_from_text(_GEMM_IN_LOOP) == 6 * per_matmul
+    assert hlo.matmul_flops_from_text(_GEMM_IN_LOOP) == 6 * per_matmul
 
 
 # ----------------------------------------------------------------------------- validation

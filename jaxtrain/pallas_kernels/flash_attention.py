@@ -248,7 +248,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
   B, S, H, D = q.shape
   K = k.shape[2]
   group = H // K
-  block_q, block_k = cfg.block_q, cfg.block_k
+  block_q = cfg.block_q
   num_q_blocks = S // block_q
 
   def q_map(i, b, h):
