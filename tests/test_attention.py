@@ -1,0 +1,156 @@
+"""`model.attention`: the Pallas kernel (interpreted on CPU) gives the XLA path's loss and
+gradients through the real train step, on one device and per shard under tensor/data/fsdp
+layouts; selection fails early with clear errors.
+
+Interpret mode compiles slowly, so shapes are tiny (1 layer, seq 32, head dim 16) and the grad
+step compiles at XLA optimisation level 0 (the numbers are the same, the compile half as long).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxtrain import attention, sharding, step
+from jaxtrain.config import ModelConfig
+from util import random_batch, tiny_config
+
+BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=8")
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+@pytest.fixture(autouse=True)
+def mesh_aware_attention(monkeypatch):
+    """The step.py wiring this module asks for: make_ops passes the mesh to attention.select.
+    Redundant (and harmless) once step.make_ops does it itself."""
+    make_ops = step.make_ops
+
+    def patched(cfg, mesh):
+        ops = make_ops(cfg, mesh)
+        return dataclasses.replace(
+            ops, attention=attention.select(cfg.model, mesh, inside_data_vmap=True))
+    monkeypatch.setattr(step, "make_ops", patched)
+
+
+def _random_params(setup):
+    """Norm scales 1, other weights N(0, 0.1²): numpy is far quicker than compiling the init."""
+    rng = np.random.default_rng(0)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: np.ones(x.shape, x.dtype) if "scale" in jax.tree_util.keystr(path)
+        else (0.1 * rng.standard_normal(x.shape)).astype(x.dtype),
+        nnx.to_pure_dict(setup.abstract_state))
+
+
+def _loss_and_grads(overrides, devices, params0=None):
+    cfg = tiny_config(*BASE, *overrides)
+    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, devices))
+    if params0 is None:
+        params0 = _random_params(setup)
+    params = jax.device_put(params0, setup.param_shardings)
+    batch = random_batch(cfg, 0, docs_per_row=3)  # packed rows: segments matter
+    lowered = step.make_grad_step(setup).lower(params, batch)
+    # The kernel really runs (its forward and both backward kernels), not an XLA fallback.
+    kernels = {"jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq"}
+    hlo = lowered.as_text(debug_info=True)
+    assert all((k in hlo) == (cfg.model.attention == "pallas") for k in kernels)
+    grad_step = lowered.compile(FAST_COMPILE)
+    loss, _, grads = grad_step(params, batch)
+    return float(loss), jax.device_get(grads), params0
+
+
+@pytest.fixture(scope="module")
+def xla_reference():
+    """The XLA path on one device: (loss, grads, params)."""
+    return _loss_and_grads(["--model.attention=xla", "--parallel.data=1"], jax.devices()[:1])
+
+
+LAYOUTS = {  # name: (devices, layout); the model has 4 query heads and 2 KV heads
+    "one_device": (1, ["--parallel.data=1"]),
+    "tensor2": (2, ["--parallel.data=1", "--parallel.tensor=2"]),
+    "data2_tensor2": (4, ["--parallel.data=2", "--parallel.tensor=2"]),
+    # tensor=4 > 2 KV heads: K/V replicated, shards 2 and 3 must slice out KV head 1.
+    "fsdp2_tensor4": (8, ["--parallel.data=1", "--parallel.fsdp=2", "--parallel.tensor=4"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pallas_train_step_equals_xla(name, xla_reference):
+    n_devices, layout = LAYOUTS[name]
+    ref_loss, ref_grads, params0 = xla_reference
+    loss, grads, _ = _loss_and_grads(["--model.attention=pallas", *layout],
+                                     jax.devices()[:n_devices], params0)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _mesh(**degrees):
+    shape = tuple(degrees.get(a, 1) for a in sharding.MESH_AXES)
+    devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, sharding.MESH_AXES,
+                axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def test_uneven_groups_and_unsplittable_batch():
+    """Query heads whose groups straddle tensor shards unevenly (H=12, K=3, t=2: shard 0 reads
+    KV heads 0,0,0,0,1,1) and a batch row per data replica that fsdp=2 cannot split, under the
+    train step's vmap over data."""
+    mesh = _mesh(data=2, fsdp=2, tensor=2)
+    sharded = attention.ShardedAttention(attention.pallas_attention, mesh, inside_data_vmap=True)
+    rng = np.random.default_rng(0)
+    b, s, h, k, e = 2, 32, 12, 3, 16
+    q_BSHE, w_BSHE = (jnp.asarray(rng.standard_normal((b, s, h, e), np.float32))
+                      for _ in range(2))
+    k_BSKE, v_BSKE = (jnp.asarray(rng.standard_normal((b, s, k, e), np.float32))
+                      for _ in range(2))
+    seg_BS = jnp.asarray(np.tile(np.repeat([1, 2, 3], [10, 10, 12]), (b, 1)), jnp.int32)
+
+    def loss(attn, q, k, v):
+        def per_replica(*rows):  # one batch row per data replica, as [1, S, ...]
+            return attn(*(x[None] for x in rows))[0]
+        o_BSHE = jax.vmap(per_replica, spmd_axis_name="data")(q, k, v, seg_BS)
+        return jnp.sum(o_BSHE * w_BSHE)
+
+    def loss_and_grads(attn):
+        fn = jax.value_and_grad(lambda *x: loss(attn, *x), argnums=(0, 1, 2))
+        return jax.jit(fn, compiler_options=FAST_COMPILE)(q_BSHE, k_BSKE, v_BSKE)
+
+    (got_loss, got_grads), (want_loss, want_grads) = (
+        loss_and_grads(sharded), loss_and_grads(attention.xla_attention))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b_ in zip(got_grads, want_grads):
+        np.testing.assert_allclose(a, b_, atol=1e-5, rtol=1e-5)
+
+
+def _model(**kw):
+    fields = dict(vocab_size=256, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                  mlp_size=128, compute_dtype="float32")
+    return ModelConfig(**{**fields, **kw})
+
+
+def test_selection():
+    assert attention.select(_model(attention="auto")) is attention.xla_attention  # CPU
+    assert attention.select(_model(attention="pallas")) is attention.pallas_attention
+    assert attention.select(_model(attention="pallas"), _mesh()) is attention.pallas_attention
+    sharded = attention.select(_model(attention="pallas"), _mesh(tensor=2), inside_data_vmap=True)
+    assert isinstance(sharded, attention.ShardedAttention) and sharded.inside_data_vmap
+    # GSPMD partitions the XLA path; it needs no shard_map.
+    assert attention.select(_model(attention="xla"), _mesh(tensor=2)) is attention.xla_attention
+
+
+@pytest.mark.parametrize("model, mesh, message", [
+    (dict(attention="cudnn", compute_dtype="bfloat16"), None, "needs an NVIDIA GPU"),
+    (dict(attention="cudnn"), None, "needs model.compute_dtype in"),
+    (dict(attention="cudnn", compute_dtype="bfloat16", head_dim=12), None, "multiple of 8"),
+    (dict(attention="pallas", head_dim=512), None, "head_dim=512 is unsupported"),
+    (dict(attention="pallas", num_kv_heads=3), None, "num_heads=4 is not divisible by"),
+    (dict(attention="pallas"), dict(context=2), "context parallelism"),
+    (dict(attention="xla"), dict(context=2, tensor=2), "set parallel.context=1"),
+    (dict(attention="flash"), None, "choose one of"),
+])
+def test_selection_errors(model, mesh, message):
+    with pytest.raises(attention.AttentionConfigError, match=message):
+        attention.select(_model(**model), _mesh(**mesh) if mesh else None)
