@@ -357,4 +357,13 @@ def validate(cfg: Config) -> None:
            f"data.source={cfg.data.source} needs data.path (a file or folder)")
     _check(f.amax_history_len >= 1, "fp8.amax_history_len must be >= 1")
     _check(f.margin >= 0, "fp8.margin must be >= 0")
+    for key, allowed in (("recipe", ("delayed", "current")), ("format", ("hybrid", "e4m3")),
+                         ("amax_compute_algo", ("max", "most_recent"))):
+        _check(getattr(f, key) in allowed,
+               f"fp8.{key}={getattr(f, key)!r} is unknown; choose one of {', '.join(allowed)}")
+    _check(f.bf16_first_layers >= 0 and f.bf16_last_layers >= 0,
+           "fp8.bf16_first_layers and fp8.bf16_last_layers must be >= 0")
+    _check(f.bf16_first_layers + f.bf16_last_layers <= m.num_layers,
+           f"fp8.bf16_first_layers={f.bf16_first_layers} + fp8.bf16_last_layers="
+           f"{f.bf16_last_layers} exceeds model.num_layers={m.num_layers}; lower them")
     _check(r.num_layers >= 0, "remat.num_layers must be >= 0")

@@ -15,7 +15,8 @@ than once stay decodable: per role `scale` holds a use count and `amax_history[0
 `apply_meta_update` divides one by the other: exact for repeated identical uses (a shared op on
 the same data, remat), robust to scaling the whole gradient (microbatch averaging), and the mean
 for different data. For an exact max over microbatches, combine their meta gradients with
-`combine_meta_grads` or feed the microbatches slices of `replicate_meta(meta, n)`.
+`combine_meta_grads` or feed the microbatches slices of `replicate_meta(meta, n)`; reduce
+per-replica cotangents stacked on an axis with `max_meta_grads`.
 """
 from __future__ import annotations
 
@@ -76,7 +77,10 @@ class Recipe(NamedTuple):
     history_len: int
 
 
-def recipe_of(cfg: Fp8Config) -> Recipe:
+def recipe_of(cfg: Fp8Config | Recipe) -> Recipe:
+    """The validated, hashable form of an Fp8Config (a Recipe is returned as is)."""
+    if isinstance(cfg, Recipe):
+        return cfg
     if cfg.recipe not in ("delayed", "current"):
         raise ConfigError(f"fp8.recipe={cfg.recipe!r} is unknown; choose delayed or current")
     if cfg.format not in ("hybrid", "e4m3"):
@@ -92,7 +96,7 @@ def recipe_of(cfg: Fp8Config) -> Recipe:
                   int(cfg.amax_history_len))
 
 
-def init_meta(cfg: Fp8Config, batch_shape: tuple[int, ...] = ()) -> Fp8Meta:
+def init_meta(cfg: Fp8Config | Recipe, batch_shape: tuple[int, ...] = ()) -> Fp8Meta:
     """Scale 1 and an empty history per role; `batch_shape` prepends e.g. a layer dim."""
     length = recipe_of(cfg).history_len
 
@@ -264,7 +268,7 @@ def _check(lhs, rhs, dimension_numbers, meta, name):
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                    out_sharding=None, *, meta: Fp8Meta, cfg: Fp8Config,
+                    out_sharding=None, *, meta: Fp8Meta, cfg: Fp8Config | Recipe,
                     name: str = "fp8_dot_general") -> jax.Array:
     """lax.dot_general in FP8: E4M3 x E4M3 forward, E5M2 (hybrid) x E4M3 gradients.
 
@@ -314,7 +318,7 @@ def _update_role(old: TensorMeta, obs: TensorMeta, q_dtype, recipe: Recipe) -> T
                       jnp.where(used[..., None], new_history, old.amax_history))
 
 
-def apply_meta_update(old: Any, meta_grad: Any, cfg: Fp8Config) -> Any:
+def apply_meta_update(old: Any, meta_grad: Any, cfg: Fp8Config | Recipe) -> Any:
     """The next step's metas from this step's meta cotangents.
 
     Works on a single Fp8Meta or any pytree holding them (other leaves are returned from `old`
@@ -355,13 +359,23 @@ def _broadcast_fwd(n, meta):
     return _broadcast_impl(n, meta), None
 
 
-def _broadcast_bwd(n, _, ct):
+def max_meta_grads(meta_grad: Any, axis: int = 0) -> Any:
+    """Max-reduce meta cotangents stacked along `axis` (e.g. per data replica): TE's amax
+    all-reduce. Metas in `meta_grad` lose that axis; other leaves are returned unchanged."""
     def reduce(role: TensorMeta) -> TensorMeta:
         amax, used = _decode(role)
-        amax = jnp.max(jnp.where(used, amax, 0.0), axis=0)
-        return _encode(amax, jnp.any(used, axis=0), role.amax_history.shape[-1])
-    return (jax.tree.map(lambda m: Fp8Meta(reduce(m.x), reduce(m.w), reduce(m.g)), ct,
-                         is_leaf=is_fp8_meta),)
+        amax = jnp.max(jnp.where(used, amax, 0.0), axis=axis)
+        return _encode(amax, jnp.any(used, axis=axis), role.amax_history.shape[-1])
+
+    def per_meta(m):
+        if not is_fp8_meta(m):
+            return m
+        return Fp8Meta(reduce(m.x), reduce(m.w), reduce(m.g))
+    return jax.tree.map(per_meta, meta_grad, is_leaf=is_fp8_meta)
+
+
+def _broadcast_bwd(n, _, ct):
+    return (max_meta_grads(ct, axis=0),)
 
 
 _broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)

@@ -3,8 +3,15 @@
 The maths only. Every parameter carries logical axis names (DESIGN.md §3) and never a mesh
 axis; activation sharding goes through the injected `constrain(x, logical_names)`, which is the
 identity unless `sharding` provides one. Every projection matmul goes through one injectable
-`dot_general` (FP8 plugs in there). Activations carry `checkpoint_name` tags that `remat`
-policies refer to. Parameters are fp32 masters; each use casts them to `compute_dtype`.
+`dot_general`. Activations carry `checkpoint_name` tags that `remat` policies refer to.
+Parameters are fp32 masters; each use casts them to `compute_dtype`.
+
+FP8 (`Ops.fp8`): the projections (q/k/v/o, gate/up/down) of the middle layers run through
+`fp8.fp8_dot_general`; each projection owns an `Fp8MetaState` variable (stacked with the
+layers like the kernels, so the layer scan slices one meta per layer). Embedding, lm_head,
+norms, attention and residuals never see FP8. `bf16_first`/`bf16_last` layers keep their
+projections in the compute dtype: the stack runs as up to three scans over static layer
+ranges (`layer_spans`), so every scan body is one fixed kind of layer.
 
 Shape letters: B batch, S sequence, D hidden, H query heads, K kv heads, G = H/K, E head dim,
 F mlp, V vocab, L layers.
@@ -22,6 +29,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
+from jaxtrain import fp8 as fp8_lib
 from jaxtrain.config import ModelConfig
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
@@ -37,16 +45,51 @@ def _identity_constrain(x, names):
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Layers:
+    """Which layers' projections run in FP8, and the recipe (hashable: lives in the graphdef)."""
+    recipe: fp8_lib.Recipe
+    bf16_first: int = 0
+    bf16_last: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Ops:
     """What the model lets the outside world choose: how to matmul, how to shard, how to attend.
 
     `run_layers(block_fn, x_BSD, stacked_layer_state) -> x_BSD` runs the layer stack; the
-    default is a plain scan, `remat` supplies checkpointed and grouped scans.
+    default is a plain scan, `remat` supplies checkpointed and grouped scans. When the stack
+    runs as several layer ranges (FP8 with bf16 first/last layers), `span_runner(start, stop)`
+    gives the runner of layers [start, stop) (default: `run_layers` for every range).
     """
     dot_general: DotGeneral = jax.lax.dot_general
     constrain: Constrain = _identity_constrain
     attention: Callable = attention_lib.xla_attention
     run_layers: Optional[Callable] = None
+    fp8: Optional[Fp8Layers] = None
+    span_runner: Optional[Callable[[int, int], Callable]] = None
+
+
+class Fp8MetaState(nnx.Variable):
+    """An `fp8.Fp8Meta` (scales, amax histories): train state outside `params`, never optimised."""
+
+
+def layer_spans(num_layers: int, fp8: Optional[Fp8Layers]) -> list[tuple[int, int, bool]]:
+    """[(start, stop, runs_fp8)]: the static layer ranges the stack runs as."""
+    if fp8 is None:
+        return [(0, num_layers, False)]
+    first, last = fp8.bf16_first, num_layers - fp8.bf16_last
+    spans = [(0, first, False), (first, last, True), (last, num_layers, False)]
+    return [s for s in spans if s[1] > s[0]]
+
+
+def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
+    """{projection name: (K contracting size, N output size, which of them tensor shards)}."""
+    d, h, k, e, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim,
+                     cfg.mlp_size)
+    return {"blocks/attn/wq": (d, h * e, "N"), "blocks/attn/wk": (d, k * e, "N"),
+            "blocks/attn/wv": (d, k * e, "N"), "blocks/attn/wo": (h * e, d, "K"),
+            "blocks/mlp/w_gate": (d, f, "N"), "blocks/mlp/w_up": (d, f, "N"),
+            "blocks/mlp/w_down": (f, d, "K")}
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype):
@@ -59,20 +102,35 @@ def _normal(std):
 
 
 class Dense(nnx.Module):
-    """A projection: contracts x's last `len(in_shape)` dims with the kernel's leading dims."""
+    """A projection: contracts x's last `len(in_shape)` dims with the kernel's leading dims.
 
-    def __init__(self, in_shape, out_shape, axes, *, cfg: ModelConfig, ops: Ops, rngs, std):
+    With `ops.fp8` it also owns an FP8 meta; `fp8=True` calls then run in FP8 (x is the E4M3
+    activation operand, the kernel the E4M3 weight operand, gradients E5M2).
+    """
+
+    def __init__(self, in_shape, out_shape, axes, *, cfg: ModelConfig, ops: Ops, rngs, std,
+                 name: str):
         self.kernel = _param(rngs, _normal(std), (*in_shape, *out_shape), axes,
                              jnp.dtype(cfg.param_dtype))
         self.n_in = len(in_shape)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.ops = ops
+        self.name = name
+        if ops.fp8 is not None:
+            self.fp8_meta = Fp8MetaState(fp8_lib.init_meta(ops.fp8.recipe))
 
-    def __call__(self, x):
+    def __call__(self, x, fp8: bool = False):
         w = self.kernel[...].astype(self.compute_dtype)
         n = self.n_in
         dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
-        return self.ops.dot_general(x.astype(self.compute_dtype), w, dims)
+        x = x.astype(self.compute_dtype)
+        if fp8:
+            if self.ops.fp8 is None:
+                raise fp8_lib.Fp8Error(f"{self.name}: fp8=True but the model was built without "
+                                       "Ops.fp8 (no FP8 meta); set fp8.enabled=true")
+            return fp8_lib.fp8_dot_general(x, w, dims, meta=self.fp8_meta.get_value(),
+                                           cfg=self.ops.fp8.recipe, name=self.name)
+        return self.ops.dot_general(x, w, dims)
 
 
 class RMSNorm(nnx.Module):
@@ -126,40 +184,50 @@ class Attention(nnx.Module):
         d, h, k, e = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         std = 1.0 / math.sqrt(d)
         kw = dict(cfg=cfg, ops=ops, rngs=rngs)
-        self.wq = Dense((d,), (h, e), ("embed", "heads", "head_dim"), std=std, **kw)
-        self.wk = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), std=std, **kw)
-        self.wv = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), std=std, **kw)
+        self.wq = Dense((d,), (h, e), ("embed", "heads", "head_dim"), std=std,
+                        name="blocks/attn/wq", **kw)
+        self.wk = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), std=std,
+                        name="blocks/attn/wk", **kw)
+        self.wv = Dense((d,), (k, e), ("embed", "kv_heads", "head_dim"), std=std,
+                        name="blocks/attn/wv", **kw)
         self.wo = Dense((h, e), (d,), ("heads", "head_dim", "embed"),
-                        std=1.0 / math.sqrt(h * e * 2 * cfg.num_layers), **kw)
+                        std=1.0 / math.sqrt(h * e * 2 * cfg.num_layers), name="blocks/attn/wo",
+                        **kw)
         self.ops = ops
 
-    def __call__(self, x_BSD, cos, sin, segment_ids_BS):
+    def __call__(self, x_BSD, cos, sin, segment_ids_BS, fp8: bool = False):
         c = self.ops.constrain
-        q_BSHE = c(checkpoint_name(self.wq(x_BSD), "qkv_proj"), ("batch", None, "heads", None))
-        k_BSKE = c(checkpoint_name(self.wk(x_BSD), "qkv_proj"), ("batch", None, "kv_heads", None))
-        v_BSKE = c(checkpoint_name(self.wv(x_BSD), "qkv_proj"), ("batch", None, "kv_heads", None))
+        q_BSHE = c(checkpoint_name(self.wq(x_BSD, fp8), "qkv_proj"),
+                   ("batch", None, "heads", None))
+        k_BSKE = c(checkpoint_name(self.wk(x_BSD, fp8), "qkv_proj"),
+                   ("batch", None, "kv_heads", None))
+        v_BSKE = c(checkpoint_name(self.wv(x_BSD, fp8), "qkv_proj"),
+                   ("batch", None, "kv_heads", None))
         q_BSHE, k_BSKE = apply_rope(q_BSHE, cos, sin), apply_rope(k_BSKE, cos, sin)
         o_BSHE = self.ops.attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS)
         o_BSHE = c(checkpoint_name(o_BSHE, "core_attn"), ("batch", None, "heads", None))
-        return checkpoint_name(self.wo(o_BSHE), "attn_out")
+        return checkpoint_name(self.wo(o_BSHE, fp8), "attn_out")
 
 
 class Mlp(nnx.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, rngs):
         d, f = cfg.hidden_size, cfg.mlp_size
         kw = dict(cfg=cfg, ops=ops, rngs=rngs)
-        self.w_gate = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d), **kw)
-        self.w_up = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d), **kw)
+        self.w_gate = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d),
+                            name="blocks/mlp/w_gate", **kw)
+        self.w_up = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d),
+                          name="blocks/mlp/w_up", **kw)
         self.w_down = Dense((f,), (d,), ("mlp", "embed"),
-                            std=1.0 / math.sqrt(f * 2 * cfg.num_layers), **kw)
+                            std=1.0 / math.sqrt(f * 2 * cfg.num_layers), name="blocks/mlp/w_down",
+                            **kw)
         self.ops = ops
 
-    def __call__(self, x_BSD):
+    def __call__(self, x_BSD, fp8: bool = False):
         c = self.ops.constrain
-        gate_BSF = c(checkpoint_name(self.w_gate(x_BSD), "mlp_in"), ("batch", None, "mlp"))
-        up_BSF = c(checkpoint_name(self.w_up(x_BSD), "mlp_in"), ("batch", None, "mlp"))
+        gate_BSF = c(checkpoint_name(self.w_gate(x_BSD, fp8), "mlp_in"), ("batch", None, "mlp"))
+        up_BSF = c(checkpoint_name(self.w_up(x_BSD, fp8), "mlp_in"), ("batch", None, "mlp"))
         h_BSF = checkpoint_name(jax.nn.silu(gate_BSF) * up_BSF, "mlp_act")
-        return checkpoint_name(self.w_down(h_BSF), "mlp_out")
+        return checkpoint_name(self.w_down(h_BSF, fp8), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -170,14 +238,14 @@ class Block(nnx.Module):
         self.mlp = Mlp(cfg, ops, rngs)
         self.ops = ops
 
-    def __call__(self, x_BSD, cos, sin, segment_ids_BS):
+    def __call__(self, x_BSD, cos, sin, segment_ids_BS, fp8: bool = False):
         c = self.ops.constrain
         residual = ("batch", "length", "embed")  # sequence-parallel region when SP is on
         x_BSD = c(checkpoint_name(x_BSD, "layer_input"), residual)
         h_BSD = c(checkpoint_name(self.attn_norm(x_BSD), "attn_norm"), residual)
-        x_BSD = x_BSD + c(self.attn(h_BSD, cos, sin, segment_ids_BS), residual)
+        x_BSD = x_BSD + c(self.attn(h_BSD, cos, sin, segment_ids_BS, fp8), residual)
         h_BSD = c(checkpoint_name(self.mlp_norm(x_BSD), "mlp_norm"), residual)
-        return x_BSD + c(self.mlp(h_BSD), residual)
+        return x_BSD + c(self.mlp(h_BSD, fp8), residual)
 
 
 def scan_layers(block_fn, x_BSD, stacked_state):
@@ -216,18 +284,32 @@ class Llama(nnx.Module):
         return self.ops.constrain(x_BSD, ("batch", "length", "embed"))
 
     def block_fn(self):
-        """(layer_state, x, cos, sin, segment_ids) -> x for one layer, and the stacked state."""
+        """(layer_state, x, cos, sin, segment_ids, fp8=False) -> x for one layer, and the
+        stacked state (FP8 metas included). `fp8=True` runs the layer's projections in FP8."""
         graphdef, state = nnx.split(self.blocks)
 
-        def apply(layer_state, x_BSD, cos, sin, segment_ids_BS):
-            return nnx.merge(graphdef, layer_state)(x_BSD, cos, sin, segment_ids_BS)
+        def apply(layer_state, x_BSD, cos, sin, segment_ids_BS, fp8: bool = False):
+            return nnx.merge(graphdef, layer_state)(x_BSD, cos, sin, segment_ids_BS, fp8)
         return apply, state
 
-    def run_blocks(self, x_BSD, positions_BS, segment_ids_BS):
+    def run_blocks(self, x_BSD, positions_BS, segment_ids_BS, use_fp8: bool = True):
+        """The layer stack; `use_fp8=False` runs every layer in the compute dtype (e.g. an
+        evaluation without FP8 scales)."""
         cos, sin = rope_tables(self.cfg, positions_BS)
         apply, state = self.block_fn()
-        block_fn = lambda s, x: apply(s, x, cos, sin, segment_ids_BS)  # noqa: E731
-        return (self.ops.run_layers or scan_layers)(block_fn, x_BSD, state)
+        n = self.cfg.num_layers
+        for start, stop, span_fp8 in layer_spans(n, self.ops.fp8):
+            def block_fn(s, x, fp8=span_fp8 and use_fp8):
+                return apply(s, x, cos, sin, segment_ids_BS, fp8)
+            # Slicing copies the range's layer state; the common cases (one range) do not.
+            part = state if (start, stop) == (0, n) else jax.tree.map(
+                lambda a, start=start, stop=stop: a[start:stop], state)
+            if self.ops.span_runner is not None:
+                run = self.ops.span_runner(start, stop)
+            else:
+                run = self.ops.run_layers or scan_layers
+            x_BSD = run(block_fn, x_BSD, part)
+        return x_BSD
 
     def logits(self, x_BSD):
         h_BSD = self.final_norm(x_BSD)
@@ -239,13 +321,13 @@ class Llama(nnx.Module):
             logits_BSV = jnp.where(is_real_V, logits_BSV, -1e30)
         return self.ops.constrain(logits_BSV, ("batch", "length", "vocab"))
 
-    def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None):
+    def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None, use_fp8: bool = True):
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
         if segment_ids_BS is None:
             segment_ids_BS = jnp.ones_like(tokens_BS)
         x_BSD = self.embed_tokens(tokens_BS)
-        x_BSD = self.run_blocks(x_BSD, positions_BS, segment_ids_BS)
+        x_BSD = self.run_blocks(x_BSD, positions_BS, segment_ids_BS, use_fp8)
         return self.logits(x_BSD)
 
 

@@ -2,33 +2,44 @@
 
 The model is cut into p*v chunks of equal shape; rank r of the `stage` mesh axis owns virtual
 stages g = j*p + r (j < v). Chunk parameters are stacked with leading dims [p, v, ...] and
-sharded over `stage` on dim 0; every other mesh axis stays automatic inside the shard_map, so
-tensor/fsdp/data shardings of the chunk's parameters and activations keep working unchanged.
+sharded over `stage` on dim 0.
+
+Mesh axes. `stage` is manual, and so is `data` when the mesh has it: each data replica runs
+the schedule on its rows of every microbatch (dim 1 of the inputs), keeps its own fp32
+gradient sums through the loop, and the data-parallel reduction is one psum after the loop
+(Megatron's behaviour; left automatic, GSPMD all-reduces every B step's weight gradient over
+`data` inside the loop). Every other axis (fsdp, tensor, ...) stays automatic, so the chunk's
+sharding constraints and FSDP/TP collectives work unchanged inside; they must not name `data`.
 
 Training (`pipelined_loss`, `pipelined_value_and_grad`) runs forward and backward ops in the
 schedule's order: a B op recomputes its chunk from the stashed chunk input and applies the
 chunk's `jax.vjp` to the cotangent that arrived from the next rank; the last virtual stage also
-runs `head_loss_fn` and seeds the cotangent. Gradients accumulate in fp32 and are reduced over
-`stage` once, after the loop. A `jax.custom_vjp` hands those gradients to the caller's
-`jax.grad`, so an embedding computed before the pipeline gets its gradient through `x`.
+runs `head_loss_fn` and seeds the cotangent. The pipeline input is either activations x
+(their gradient comes back as d_x, an [m, ...] buffer) or, with `embed_fn`, raw inputs such as
+token ids that the first virtual stage embeds itself (Megatron's layout): then nothing of
+activation size is held per microbatch outside the stash, and 1F1B's memory does not grow with
+the number of microbatches. Gradients accumulate in fp32 and are reduced over `stage` (and
+`data`) once, after the loop. A `jax.custom_vjp` hands them to the caller's `jax.grad`.
 
 `gpipe_loss` runs only the forward ops and lets autodiff produce the backward: the reference
 for tests. Called without a grad, `pipelined_loss` runs the same forward ops (evaluation; at
 most one chunk input waits per rank).
 
 Rules that keep the SPMD program correct (found the hard way, see notes/pipeline.md):
-- Values the same on every rank (head params, x, aux) are cast to stage-varying once, at the top
-  of the body, so autodiff's transposed psum('stage') happens once, not inside the loop.
-- No branch is taken by some stages only: the chunk and head may contain collectives over the
-  automatic axes, and those deadlock when half the devices skip them. Every lax.cond predicate
-  is the same on all ranks; each rank selects its own results with jnp.where.
+- Values the same on every rank (params, x, aux) are cast to varying over the manual axes once,
+  at the top of the body: a vjp w.r.t. an invariant value makes autodiff psum its cotangent,
+  which would put a collective into every B step.
+- No branch is taken by some stages only: the chunk, embedding and head may contain
+  collectives over the automatic axes, and those deadlock when half the devices skip them.
+  Every lax.cond predicate is the same on all ranks; each rank selects its own results with
+  jnp.where.
 - Idle slots may hold garbage; inputs of idle work are zeroed and results selected with
   jnp.where, never masked by multiplying (0 * NaN is NaN).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,14 +49,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.pipeline_schedule import Schedule, ScheduleError, StepTable, build_schedule
 
-__all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "build_schedule", "Schedule",
-           "pipelined_loss", "pipelined_value_and_grad", "gpipe_loss", "stack_stages",
-           "unstack_stages"]
+__all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
+           "Schedule", "pipelined_loss", "pipelined_value_and_grad", "gpipe_loss",
+           "stack_stages", "unstack_stages", "manual_axes"]
 
 STAGE_AXIS = "stage"
+DATA_AXIS = "data"
 
-ChunkFn = Callable[[Any, jax.Array], jax.Array]             # (one chunk's params, x) -> x
+# (one chunk's params, x[, chunk_aux of one microbatch]) -> x
+ChunkFn = Callable[..., jax.Array]
 HeadLossFn = Callable[[Any, jax.Array, Any], jax.Array]     # (head params, x, aux_mb) -> scalar
+EmbedFn = Callable[[Any, Any], jax.Array]                   # (embed params, inputs_mb) -> x
 
 
 class PipelineError(ValueError):
@@ -74,8 +88,18 @@ def unstack_stages(chunks: Any) -> Any:
     return jax.tree.map(unstack, chunks)
 
 
+def manual_axes(mesh) -> tuple:
+    """The mesh axes the executor makes manual: `stage`, and `data` when the mesh has it."""
+    return (STAGE_AXIS,) + ((DATA_AXIS,) if DATA_AXIS in mesh.shape else ())
+
+
+def _batch_spec(a, data: bool) -> P:
+    """Inputs are [m, batch, ...]: data replicas take their rows of dim 1."""
+    return P(None, DATA_AXIS) if data and a.ndim >= 2 else P()
+
+
 # ----------------------------------------------------------------------------- validation
-def _check(schedule: Schedule, mesh, chunk_params, x, aux) -> None:
+def _check(schedule: Schedule, mesh, chunk_params, x, aux, chunk_aux, embed_fn) -> None:
     if not isinstance(schedule, Schedule):
         raise PipelineError(f"schedule must be a Schedule from build_schedule, got "
                             f"{type(schedule).__name__}")
@@ -91,35 +115,48 @@ def _check(schedule: Schedule, mesh, chunk_params, x, aux) -> None:
             raise PipelineError(
                 f"chunk param {jax.tree_util.keystr(path)} has shape {a.shape}; it needs leading "
                 f"dims [stages={p}, virtual_stages={v}] (see stack_stages)")
-    if x.ndim < 1 or x.shape[0] != m:
-        raise PipelineError(f"x has shape {x.shape}; its leading dim must be the schedule's "
-                            f"microbatches={m}")
-    for path, a in jax.tree_util.tree_leaves_with_path(aux):
-        if a.ndim < 1 or a.shape[0] != m:
-            raise PipelineError(f"aux leaf {jax.tree_util.keystr(path)} has shape {a.shape}; its "
-                                f"leading dim must be microbatches={m}")
+    if embed_fn is None and not (isinstance(x, jax.Array) or hasattr(x, "shape")):
+        raise PipelineError("without embed_fn the pipeline input x must be one array "
+                            "[microbatches, ...] of activations; pass embed_fn for raw inputs")
+    n_data = mesh.shape.get(DATA_AXIS, 1)
+    for what, tree in (("x", x), ("aux", aux), ("chunk_aux", chunk_aux)):
+        for path, a in jax.tree_util.tree_leaves_with_path(tree):
+            name = what + jax.tree_util.keystr(path)
+            if a.ndim < 1 or a.shape[0] != m:
+                raise PipelineError(f"{name} has shape {a.shape}; its leading dim must be the "
+                                    f"schedule's microbatches={m}")
+            if a.ndim >= 2 and a.shape[1] % n_data:
+                raise PipelineError(
+                    f"{name} has shape {a.shape}: its batch dim {a.shape[1]} does not split over "
+                    f"{DATA_AXIS}={n_data} replicas; use a microbatch size divisible by "
+                    f"{n_data}")
 
 
-def _check_fn_shapes(chunk_fn, head_loss_fn, chunk_params, head_params, x, aux) -> None:
-    """chunk_fn must keep x's shape and dtype; head_loss_fn must return a scalar."""
-    y = jax.eval_shape(chunk_fn, chunk_params, x)
-    if (y.shape, y.dtype) != (x.shape, x.dtype):
-        raise PipelineError(f"chunk_fn maps x {x.dtype}{list(x.shape)} to {y.dtype}"
+def _check_fn_shapes(call_chunk, head_loss_fn, act, chunk_params, head_params, aux) -> None:
+    """The chunk must keep the activation's shape and dtype; head_loss_fn must return a scalar."""
+    y = jax.eval_shape(call_chunk, chunk_params, act)
+    if (y.shape, y.dtype) != (act.shape, act.dtype):
+        raise PipelineError(f"chunk_fn maps x {act.dtype}{list(act.shape)} to {y.dtype}"
                             f"{list(y.shape)}; a chunk must return the shape and dtype it gets "
-                            "(cast inside chunk_fn)")
-    loss = jax.eval_shape(head_loss_fn, head_params, x, aux)
+                            "(cast inside chunk_fn, or make embed_fn return that dtype)")
+    loss = jax.eval_shape(head_loss_fn, head_params, act, aux)
     if loss.shape != ():
         raise PipelineError(f"head_loss_fn returned shape {loss.shape}; it must return a scalar "
                             "(the microbatch's mean loss)")
 
 
 # ----------------------------------------------------------------------------- executor
-def _vary(tree):
-    """Mark leaves stage-varying (identity on values); leaves already varying are kept."""
+def _varying_axes(a) -> frozenset:
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)
+    return mat.varying if mat is not None else getattr(t, "vma", frozenset())
+
+
+def _vary(tree, axes):
+    """Mark leaves varying over `axes` (identity on values); axes already varying are kept."""
     def cast(a):
-        mat = getattr(jax.typeof(a), "manual_axis_type", None)
-        varying = mat.varying if mat is not None else getattr(jax.typeof(a), "vma", frozenset())
-        return a if STAGE_AXIS in varying else lax.pcast(a, STAGE_AXIS, to="varying")
+        missing = tuple(ax for ax in axes if ax not in _varying_axes(a))
+        return lax.pcast(a, missing, to="varying") if missing else a
     return jax.tree.map(cast, tree)
 
 
@@ -133,6 +170,10 @@ def _acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def _take(tree, k):
+    return jax.tree.map(lambda a: a[k], tree)
+
+
 def _step_flags(table: StepTable, stages: int, virtual_stages: int, backward: bool) -> dict:
     """Per-step booleans [num_steps] that are the same on every rank (cond predicates)."""
     p, num_v = stages, stages * virtual_stages
@@ -140,72 +181,106 @@ def _step_flags(table: StepTable, stages: int, virtual_stages: int, backward: bo
     rank = np.arange(p)[None, :]
     f_last = (cols["f_chunk"] >= 0) & (cols["f_chunk"] * p + rank == num_v - 1)
     b_last = (cols["b_chunk"] >= 0) & (cols["b_chunk"] * p + rank == num_v - 1)
+    b_first = (cols["b_chunk"] >= 0) & (cols["b_chunk"] * p + rank == 0)
+    # in training the last virtual stage's F is done by its B (one vjp for both)
     f_work = (cols["f_chunk"] >= 0) & ~f_last if backward else cols["f_chunk"] >= 0
-    return {"any_f": f_work.any(1),               # an F that computes (the last virtual
-            "any_b": (cols["b_chunk"] >= 0).any(1),   # stage's F is done by its B in training)
-            "any_head": (b_last if backward else f_last).any(1)}
+    return {"any_f": f_work.any(1),
+            "any_b": (cols["b_chunk"] >= 0).any(1),
+            "any_head": (b_last if backward else f_last).any(1),
+            "any_embed_b": b_first.any(1)}
 
 
-def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params, head_params, x, aux, *,
+def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[EmbedFn],
+             chunk_params, head_params, embed_params, x, aux, chunk_aux, *,
              schedule: Schedule, mesh, backward: bool, fill: float):
     """Run schedule.table (backward) or schedule.forward_table in one shard_map.
 
-    Returns (loss, grads, peak_stash[p]); grads = (d_chunk, d_head, d_x), or None without
-    backward. peak_stash counts chunk inputs held per rank, measured in the loop.
+    Returns (loss, grads, peak_stash[p]); grads = (d_chunk, d_head, d_in) with d_in = d_embed
+    (with embed_fn) or d_x, or None without backward. peak_stash counts chunk inputs held per
+    rank, measured in the loop.
 
-    Control flow is the same on every rank: a step's F (B, head) runs on all ranks when any
-    rank has one, and each rank keeps its result only where its table entry says so. The chunk
-    and head may hold collectives over the automatic axes (TP all-reduces, FSDP all-gathers,
-    resharding permutes), and a collective inside a branch that only some stages take
-    deadlocks. Chunk work costs no lock-step time this way (a step lasts as long as its busiest
-    rank anyway), but the head runs on every rank in each step where the last virtual stage
-    has a B, which adds the head's time to those steps. Inputs of idle ranks are zeroed, so
-    garbage never meets a gradient.
+    Control flow is the same on every rank: a step's F (B, head, embedding gradient) runs on
+    all ranks when any rank has one, and each rank keeps its result only where its table entry
+    says so. The chunk, head and embedding may hold collectives over the automatic axes (TP
+    all-reduces, FSDP all-gathers, resharding permutes), and a collective inside a branch that
+    only some stages take deadlocks. Chunk work costs no lock-step time this way (a step lasts
+    as long as its busiest rank anyway), but the head (the embedding's gradient) runs on every
+    rank in each step where the last (first) virtual stage has a B, and the embedding's
+    forward, a gather, in every step. Inputs of idle ranks are zeroed, so garbage never meets
+    a gradient.
     """
     table: StepTable = schedule.table if backward else schedule.forward_table
     p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
     num_v = p * v
+    manual = manual_axes(mesh)
+    has_data = DATA_AXIS in manual
+    n_data = mesh.shape[DATA_AXIS] if has_data else 1
     n_stash, n_grad = max(max(table.stash_slots), 1), max(max(table.grad_slots), 1)
     to_right = [(i, (i + 1) % p) for i in range(p)]
     to_left = [(i, (i - 1) % p) for i in range(p)]
     cols = {k: jnp.asarray(a) for k, a in table.columns.items()}
     flags = {k: jnp.asarray(a) for k, a in _step_flags(table, p, v, backward).items()}
+    with_caux = chunk_aux is not None
+    chunk_aux = () if chunk_aux is None else chunk_aux
 
-    def body(cp, hp, x, aux, cols, flags):
+    def body(cp, hp, ep, x, aux, caux, cols, flags):
         r = lax.axis_index(STAGE_AXIS)
         cp = jax.tree.map(lambda a: a[0], cp)                 # this rank's chunks [v, ...]
-        hp, x, aux = _vary(hp), _vary(x), _vary(aux)
-        x_fill = jnp.full_like(x[0], fill)
-        buf = lambda n: jnp.repeat(jnp.full_like(x[:1], fill), n, axis=0)
-        f32 = lambda: _vary(jnp.zeros((), jnp.float32))
-        i32 = lambda: _vary(jnp.zeros((), jnp.int32))
-        carry = dict(stash=buf(n_stash), recv_x=x_fill, loss=f32(), held=i32(), peak=i32())
+        cp, hp, ep, x, aux, caux = _vary((cp, hp, ep, x, aux, caux), manual)
+
+        def call_chunk(pj, x_in, k=0):
+            return chunk_fn(pj, x_in, _take(caux, k)) if with_caux else chunk_fn(pj, x_in)
+
+        def embed(ep_, k):
+            return embed_fn(ep_, _take(x, k)) if embed_fn is not None else x[k]
+
+        act = jax.eval_shape(embed, ep, 0)                    # one microbatch's activations
+        x_fill = _vary(jnp.full(act.shape, fill, act.dtype), manual)
+        # (real arrays, not `act`: eval_shape rejects avals that carry manual axes)
+        _check_fn_shapes(call_chunk, head_loss_fn, x_fill, _take(cp, 0), hp, _take(aux, 0))
+        buf = lambda n: jnp.full((n,) + act.shape, fill, act.dtype)
+        # counters are the same on every data replica: varying over stage only
+        counter = lambda: lax.pcast(jnp.zeros((), jnp.int32), STAGE_AXIS, to="varying")
+        carry = dict(stash=buf(n_stash), recv_x=x_fill, loss=jnp.zeros((), jnp.float32))
         if backward:
             carry.update(
-                gstash=buf(n_grad), recv_g=x_fill, dx=buf(m),
+                gstash=buf(n_grad), recv_g=x_fill,
                 d_cp=jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), cp),
                 d_hp=jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), hp))
-        carry = _vary(carry)
-        _check_fn_shapes(chunk_fn, head_loss_fn, jax.tree.map(lambda a: a[0], cp), hp, x[0],
-                         jax.tree.map(lambda a: a[0], aux))
+            if embed_fn is not None:
+                carry["d_ep"] = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)),
+                                             ep)
+            else:
+                carry["dx"] = buf(m)
+        carry = _vary(carry, manual)
+        carry.update(held=counter(), peak=counter())
+        f32 = lambda: jnp.zeros_like(carry["loss"])
 
-        def chunk_input(c, active, slot, k):
+        def first_input(k):
+            """Virtual stage 0's chunk input, computed on every rank in every F and B step.
+
+            The embedding is a gather, cheap next to a chunk; under a lax.cond XLA rejects the
+            branches' different output shardings (the embedding's constraint vs. zeros).
+            """
+            return x[k] if embed_fn is None else embed(ep, k).astype(act.dtype)
+
+        def chunk_input(c, active, slot, x0):
             # virtual stage 0 (slot -1) reads the pipeline input instead of a stash slot
-            x_in = jnp.where(slot < 0, x[k], c["stash"][jnp.maximum(slot, 0)])
+            x_in = jnp.where(slot < 0, x0, c["stash"][jnp.maximum(slot, 0)])
             return jnp.where(active, x_in, jnp.zeros_like(x_in))
 
         def params_of(j):
             return jax.tree.map(lambda a: a[j], cp)
 
         def head_loss(hp_, y, k):
-            aux_k = jax.tree.map(lambda a: a[k], aux)
-            return head_loss_fn(hp_, y, aux_k).astype(jnp.float32)
+            return head_loss_fn(hp_, y, _take(aux, k)).astype(jnp.float32)
 
         def forward_op(c, row):
             j, k, slot = row["f_chunk"], jnp.maximum(row["f_mb"], 0), row["f_slot"]
             active = j >= 0
             j = jnp.maximum(j, 0)
-            y = chunk_fn(params_of(j), chunk_input(c, active, slot, k))
+            x_in = chunk_input(c, active, slot, first_input(k))
+            y = call_chunk(params_of(j), x_in, k)
             if backward:
                 return c, y
             c = dict(c, held=c["held"] - (active & (slot >= 0)))
@@ -220,13 +295,13 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params, head_par
             active = j >= 0
             j = jnp.maximum(j, 0)
             g = j * p + r
-            is_last = active & (g == num_v - 1)
-            pj = params_of(j)
-            y, chunk_vjp = jax.vjp(chunk_fn, pj, chunk_input(c, active, slot, k))
+            is_last, is_first = active & (g == num_v - 1), active & (g == 0)
+            x_in = chunk_input(c, active, slot, first_input(k))
+            y, chunk_vjp = jax.vjp(lambda pj, x_: call_chunk(pj, x_, k), params_of(j), x_in)
 
             def head():
                 loss, head_vjp = jax.vjp(lambda hp_, y_: head_loss(hp_, y_, k), hp, y)
-                d_hp, dy = head_vjp(jnp.full_like(loss, 1.0 / m))
+                d_hp, dy = head_vjp(jnp.full_like(loss, 1.0 / (m * n_data)))
                 return loss, d_hp, dy
 
             def no_head():
@@ -243,7 +318,15 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params, head_par
                                      c["d_cp"], d_pj)
             c["d_hp"] = jax.tree.map(keep(is_last), c["d_hp"], d_hp)
             c["loss"] = c["loss"] + jnp.where(is_last, loss, 0.0)
-            c["dx"] = c["dx"].at[k].set(jnp.where(active & (g == 0), dx, c["dx"][k]))
+            if embed_fn is not None:
+                def embed_grad():
+                    _, embed_vjp = jax.vjp(lambda e: embed(e, k).astype(act.dtype), ep)
+                    return embed_vjp(jnp.where(is_first, dx, jnp.zeros_like(dx)))[0]
+                d_ep = lax.cond(row["any_embed_b"], embed_grad,
+                                lambda: jax.tree.map(jnp.zeros_like, ep))
+                c["d_ep"] = jax.tree.map(keep(is_first), c["d_ep"], d_ep)
+            else:
+                c["dx"] = c["dx"].at[k].set(jnp.where(is_first, dx, c["dx"][k]))
             c["held"] = c["held"] - (active & (slot >= 0))
             return c, dx
 
@@ -266,91 +349,119 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params, head_par
             return c, None
 
         c, _ = lax.scan(step, carry, jnp.arange(table.num_steps))
-        loss = lax.psum(c["loss"], STAGE_AXIS) / m
+        loss = lax.psum(c["loss"], manual) / (m * n_data)
         if not backward:
             return loss, c["peak"][None]
-        d_cp = jax.tree.map(lambda d, a: d.astype(a.dtype)[None], c["d_cp"], cp)
-        d_hp = jax.tree.map(lambda d, a: lax.psum(d, STAGE_AXIS).astype(a.dtype),
-                            c["d_hp"], hp)
-        # only rank 0 (virtual stage 0) filled dx; the others hold bubble fill
-        dx = lax.psum(jnp.where(r == 0, c["dx"], jnp.zeros_like(c["dx"])), STAGE_AXIS)
-        return loss, (d_cp, d_hp, dx), c["peak"][None]
+        # The one data-parallel (and stage) reduction of the step.
+        reduce_data = (lambda d: lax.psum(d, DATA_AXIS)) if has_data else (lambda d: d)
+        d_cp = jax.tree.map(lambda d, a: reduce_data(d).astype(a.dtype)[None], c["d_cp"], cp)
+        d_hp = jax.tree.map(lambda d, a: lax.psum(d, manual).astype(a.dtype), c["d_hp"], hp)
+        if embed_fn is not None:
+            d_in = jax.tree.map(lambda d, a: lax.psum(d, manual).astype(a.dtype), c["d_ep"], ep)
+        else:
+            # only rank 0 (virtual stage 0) filled dx; the others hold bubble fill
+            d_in = lax.psum(jnp.where(r == 0, c["dx"], jnp.zeros_like(c["dx"])), STAGE_AXIS)
+        return loss, (d_cp, d_hp, d_in), c["peak"][None]
 
-    grad_specs = ((P(STAGE_AXIS), P(), P()),) if backward else ()
+    specs = lambda tree: jax.tree.map(lambda a: _batch_spec(a, has_data), tree)
+    d_in_spec = P() if embed_fn is not None else _batch_spec(x, has_data)
+    grad_specs = ((P(STAGE_AXIS), P(), d_in_spec),) if backward else ()
     out = jax.shard_map(
-        body, mesh=mesh, axis_names={STAGE_AXIS},
-        in_specs=(P(STAGE_AXIS), P(), P(), P(), P(), P()),
+        body, mesh=mesh, axis_names=set(manual),
+        in_specs=(P(STAGE_AXIS), P(), P(), specs(x), specs(aux), specs(chunk_aux), P(), P()),
         out_specs=(P(),) + grad_specs + (P(STAGE_AXIS),),
-    )(chunk_params, head_params, x, aux, cols, flags)
+    )(chunk_params, head_params, embed_params, x, aux, chunk_aux, cols, flags)
     if backward:
         return out
     return out[0], None, out[1]
 
 
+def _zero_cotangent(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros(a.shape, a.dtype)
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
 # ----------------------------------------------------------------------------- public API
 def pipelined_value_and_grad(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any,
-                             head_params: Any, x_MBSD: jax.Array, aux: Any, *,
-                             schedule: Schedule, mesh, bubble_fill: float = 0.0):
+                             head_params: Any, x_MBSD: Any, aux: Any, *, schedule: Schedule,
+                             mesh, embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
+                             chunk_aux: Any = None, bubble_fill: float = 0.0):
     """Run the schedule's forward and backward ops once.
 
-    Returns (loss, (d_chunk_params, d_head_params, d_x), stats) where loss is the mean over
-    microbatches of head_loss_fn and stats = {"peak_stash": int32[p]}, the chunk inputs each
-    rank held at once, measured in the loop (<= schedule.stash_slots). `bubble_fill` is what
-    empty buffers and idle sends hold; tests set NaN to show it never reaches a result.
+    Returns (loss, (d_chunk_params, d_head_params, d_in), stats): loss is the mean of
+    head_loss_fn over microbatches and data replicas; d_in is d_embed_params with `embed_fn`,
+    else d_x; stats = {"peak_stash": int32[p]}, the chunk inputs each rank held at once,
+    measured in the loop (<= schedule.stash_slots). See `pipelined_loss` for the arguments.
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux)
-    loss, grads, peak = _execute(chunk_fn, head_loss_fn, chunk_params, head_params, x_MBSD, aux,
-                                 schedule=schedule, mesh=mesh, backward=True, fill=bubble_fill)
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
+    loss, grads, peak = _execute(chunk_fn, head_loss_fn, embed_fn, chunk_params, head_params,
+                                 embed_params, x_MBSD, aux, chunk_aux, schedule=schedule,
+                                 mesh=mesh, backward=True, fill=bubble_fill)
     return loss, grads, {"peak_stash": peak}
 
 
 def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any,
-                   head_params: Any, x_MBSD: jax.Array, aux: Any, *, schedule: Schedule, mesh,
-                   bubble_fill: float = 0.0) -> jax.Array:
-    """Mean over microbatches of head_loss_fn(head_params, chunks(x_MBSD[k]), aux[k]).
+                   head_params: Any, x_MBSD: Any, aux: Any, *, schedule: Schedule, mesh,
+                   embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
+                   chunk_aux: Any = None, bubble_fill: float = 0.0) -> jax.Array:
+    """Mean over microbatches k (and data replicas) of head_loss_fn(head_params, y_k, aux[k]),
+    with y_k the chunks applied in order to x_k = x_MBSD[k], or to embed_fn(embed_params,
+    x_MBSD[k]) when `embed_fn` is given (x_MBSD is then any pytree of raw inputs, e.g. tokens).
 
-    Differentiable w.r.t. chunk_params [p, v, ...], head_params and x_MBSD with jax.grad: the
-    gradient comes from the schedule's manual backward (custom_vjp). aux (labels, masks) gets
-    a zero cotangent. Called without a grad it runs the forward ops only. chunk_fn and
-    head_loss_fn must not close over values being differentiated; pass them as params.
+    chunk_fn(chunk_params[r, j], x) -> x, or chunk_fn(params, x, chunk_aux[k]) when
+    `chunk_aux` (per-microbatch side inputs such as positions) is given. Leaves of x_MBSD, aux
+    and chunk_aux lead with [microbatches, batch, ...]; on a mesh with a `data` axis each
+    replica gets its rows of dim 1 (leaves of rank 1 are replicated), so head_loss_fn sees a
+    replica's share of a microbatch.
+
+    Differentiable w.r.t. chunk_params [p, v, ...], head_params, embed_params and a float x
+    with jax.grad: the gradient comes from the schedule's manual backward (custom_vjp). aux
+    and chunk_aux get zero cotangents. Called without a grad it runs the forward ops only.
+    The functions must not close over values being differentiated; pass them as params.
+    `bubble_fill` is what empty buffers and idle sends hold; tests set NaN to show it never
+    reaches a result.
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux)
-    run = functools.partial(_execute, chunk_fn, head_loss_fn, schedule=schedule, mesh=mesh,
-                            fill=bubble_fill)
-    aux_types = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), aux)
-
-    def aux_cotangent(a):
-        if jnp.issubdtype(a.dtype, jnp.inexact):
-            return jnp.zeros(a.shape, a.dtype)
-        return np.zeros(a.shape, jax.dtypes.float0)
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
+    run = functools.partial(_execute, chunk_fn, head_loss_fn, embed_fn, schedule=schedule,
+                            mesh=mesh, fill=bubble_fill)
+    types = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                         (x_MBSD, aux, chunk_aux))
 
     @jax.custom_vjp
-    def loss_fn(cp, hp, x, aux_):
-        return run(cp, hp, x, aux_, backward=False)[0]
+    def loss_fn(cp, hp, ep, x, aux_, caux):
+        return run(cp, hp, ep, x, aux_, caux, backward=False)[0]
 
-    def loss_fwd(cp, hp, x, aux_):
-        loss, grads, _ = run(cp, hp, x, aux_, backward=True)
+    def loss_fwd(cp, hp, ep, x, aux_, caux):
+        loss, grads, _ = run(cp, hp, ep, x, aux_, caux, backward=True)
         return loss, grads
 
     def loss_bwd(grads, g):
         scale = lambda d: (d * g).astype(d.dtype)
-        d_cp, d_hp, dx = jax.tree.map(scale, grads)
-        d_aux = jax.tree.map(aux_cotangent, aux_types)
-        return d_cp, d_hp, dx, d_aux
+        d_cp, d_hp, d_in = grads
+        d_x, d_aux, d_caux = jax.tree.map(_zero_cotangent, types)
+        if embed_fn is None:
+            d_ep, d_x = (), scale(d_in)
+        else:
+            d_ep = jax.tree.map(scale, d_in)
+        return (jax.tree.map(scale, d_cp), jax.tree.map(scale, d_hp), d_ep, d_x, d_aux,
+                d_caux)
 
     loss_fn.defvjp(loss_fwd, loss_bwd)
-    return loss_fn(chunk_params, head_params, x_MBSD, aux)
+    return loss_fn(chunk_params, head_params, embed_params, x_MBSD, aux, chunk_aux)
 
 
 def gpipe_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any, head_params: Any,
-               x_MBSD: jax.Array, aux: Any, *, schedule: Schedule, mesh,
-               bubble_fill: float = 0.0) -> jax.Array:
+               x_MBSD: Any, aux: Any, *, schedule: Schedule, mesh,
+               embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
+               chunk_aux: Any = None, bubble_fill: float = 0.0) -> jax.Array:
     """Same loss as pipelined_loss from the forward ops only; jax.grad differentiates the scan.
 
     The reference for the manual backward and the evaluation path. Under grad its memory is
     GPipe's: autodiff keeps every step's residuals (wrap chunk_fn in jax.checkpoint to keep
     only chunk inputs).
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux)
-    return _execute(chunk_fn, head_loss_fn, chunk_params, head_params, x_MBSD, aux,
-                    schedule=schedule, mesh=mesh, backward=False, fill=bubble_fill)[0]
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
+    return _execute(chunk_fn, head_loss_fn, embed_fn, chunk_params, head_params, embed_params,
+                    x_MBSD, aux, chunk_aux, schedule=schedule, mesh=mesh, backward=False,
+                    fill=bubble_fill)[0]

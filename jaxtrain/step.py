@@ -6,11 +6,18 @@ n_data with `spmd_axis_name="data"`, so each replica keeps its own gradient sum 
 microbatch scan and the data-parallel reduction happens once, after the last microbatch
 (Megatron's behaviour; GSPMD would otherwise all-reduce inside the loop). FSDP's per-use
 gather/reduce-scatter over `fsdp` stays inside the loop, as in ZeRO-3.
+
+FP8 (fp8.enabled): the train state gains "fp8_meta", a pure dict of layer-stacked
+`fp8.Fp8Meta`s mirroring the projections' paths, replicated. The step differentiates the loss
+w.r.t. params and metas; the metas' cotangents are amax observations, max-combined over
+microbatches and data replicas (TE's amax reduction; inside a replica GSPMD already reduces
+each amax over the fsdp/tensor shards) and turned into the next metas by
+`fp8.apply_meta_update`. They never reach optax, grad clipping or grad_norm.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +27,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import attention as attention_lib
+from jaxtrain import fp8 as fp8_lib
 from jaxtrain import model as model_lib
-from jaxtrain import optim, remat, sharding
+from jaxtrain import optim, pipeline_model, remat, sharding
 from jaxtrain.checkpoint import CheckpointMismatchError
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError, RematConfig
+from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.ledger.memory import padded_vocab
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -41,12 +50,46 @@ class Setup:
     compute_shardings: Any    # where the params a step computes with live (differs under ZeRO-1)
     optimizer: optax.GradientTransformation
     model_cfg: Any
+    abstract_meta: Any = None  # nnx.State of the FP8 metas (ShapeDtypeStruct); None: no FP8
+    fp8: Optional[fp8_lib.Recipe] = None
 
-    def bind(self, params):
-        """A Llama module over the pure-dict `params` (works on tracers inside jit)."""
+    def bind(self, params, fp8_meta=None):
+        """A Llama module over the pure-dict `params` (works on tracers inside jit), with the
+        pure-dict `fp8_meta` when FP8 is on (fresh metas when None: only for bf16 runs)."""
         state = jax.tree.map(lambda x: x, self.abstract_state)
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)
+        if self.abstract_meta is None:
+            return nnx.merge(self.graphdef, state)
+        meta_state = jax.tree.map(lambda x: x, self.abstract_meta)
+        nnx.replace_by_pure_dict(meta_state, fp8_meta if fp8_meta is not None
+                                 else init_fp8_meta(self))
+        return nnx.merge(self.graphdef, state, meta_state)
+
+
+def fp8_layers(cfg: Config) -> model_lib.Fp8Layers | None:
+    """The model's FP8 plan from fp8.*; None when FP8 is off."""
+    f = cfg.fp8
+    if not f.enabled:
+        return None
+    return model_lib.Fp8Layers(fp8_lib.recipe_of(f), f.bf16_first_layers, f.bf16_last_layers)
+
+
+def span_runner(r: RematConfig):
+    """`(start, stop) -> run_layers` for a layer range of the stack.
+
+    Every range gets the configured runner, except that block:N keeps meaning "the first N
+    layers are fully recomputed": each range recomputes its share of those N layers.
+    """
+    if r.policy or not (r.granularity == "full" and r.method == "block"):
+        runner = remat.layer_runner(r)
+        return lambda start, stop: runner
+
+    def for_span(start, stop):
+        n = min(max(r.num_layers - start, 0), stop - start)
+        if n == 0:
+            return remat.layer_runner(RematConfig())
+        return remat.layer_runner(dataclasses.replace(r, num_layers=n))
+    return for_span
 
 
 def make_ops(cfg: Config, mesh: Mesh | None) -> model_lib.Ops:
@@ -54,33 +97,97 @@ def make_ops(cfg: Config, mesh: Mesh | None) -> model_lib.Ops:
     if mesh is not None:
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
                                                 inside_data_vmap=True)
-    return model_lib.Ops(constrain=constrain, attention=attention_lib.select(cfg.model),
-                         run_layers=remat.layer_runner(cfg.remat))
+    fp8 = fp8_layers(cfg)
+    return model_lib.Ops(constrain=constrain, attention=attention_lib.select(cfg.model, mesh, inside_data_vmap=True),
+                         run_layers=remat.layer_runner(cfg.remat), fp8=fp8,
+                         span_runner=span_runner(cfg.remat) if fp8 is not None else None)
+
+
+class Fp8LayoutError(ConfigError):
+    """FP8 settings that do not fit the model or the layout; names the layer and the keys."""
+
+
+def validate_fp8(cfg: Config, tensor: int) -> None:
+    """FP8 checks from the config alone (before anything compiles): every FP8 projection's
+    GEMM sizes, whole and per tensor-parallel shard, are multiples of 16, and the FP8/bf16
+    layer ranges fit the remat grouping."""
+    f, m = cfg.fp8, cfg.model
+    if not f.enabled:
+        return
+    align = fp8_lib.FP8_ALIGN
+    first, last = f.bf16_first_layers, m.num_layers - f.bf16_last_layers
+    if first >= last:
+        return  # every layer is kept in bf16: no FP8 GEMM runs
+    where = f"layers {first}..{last - 1}"
+    for name, (k, n, sharded) in model_lib.projection_sizes(m).items():
+        for label, size in (("K (contracting)", k), ("N (output)", n)):
+            if size % align:
+                raise Fp8LayoutError(
+                    f"fp8.enabled: {name} ({where}) has {label} size {size}, not a multiple of "
+                    f"{align} (FP8 GEMM alignment); change the model dims or set "
+                    "fp8.enabled=false")
+        size = n if sharded == "N" else k
+        kv = name in ("blocks/attn/wk", "blocks/attn/wv")
+        if tensor > 1 and not (kv and m.num_kv_heads % tensor):  # kv heads replicate if indivisible
+            local = size // tensor
+            if local % align:
+                raise Fp8LayoutError(
+                    f"fp8.enabled: {name} ({where}) is split over parallel.tensor={tensor} into "
+                    f"{sharded} = {size}/{tensor} = {local} per shard, not a multiple of {align} "
+                    "(FP8 GEMM alignment); lower parallel.tensor or change the model dims")
+    r = cfg.remat
+    if not r.policy and r.granularity == "full" and r.method == "uniform":
+        spans = model_lib.layer_spans(m.num_layers, fp8_layers(cfg))
+        bad = [(a, b) for a, b, _ in spans if (b - a) % r.num_layers]
+        if bad:
+            raise Fp8LayoutError(
+                f"remat.method=uniform remat.num_layers={r.num_layers} must divide the length "
+                "of each layer range the stack runs as: layers "
+                f"{', '.join(f'{a}..{b - 1}' for a, b, _ in spans)} (from fp8.bf16_first_layers="
+                f"{f.bf16_first_layers}, fp8.bf16_last_layers={f.bf16_last_layers}); change "
+                "remat.num_layers or those")
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
     layout = sharding.validate_layout(cfg, mesh.size)
-    remat.validate(cfg.remat, cfg.model.num_layers // layout["stage"])
+    v = cfg.parallel.virtual_stages if layout["stage"] > 1 else 1
+    remat.validate(cfg.remat, [n // v for n in stage_layer_counts(cfg, layout["stage"], v)])
+    validate_fp8(cfg, layout["tensor"])
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=padded_vocab(cfg.model.vocab_size, layout["tensor"]))
     ops = make_ops(cfg, mesh)
     abstract = nnx.eval_shape(lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(0), ops=ops,
                                                       real_vocab=cfg.model.vocab_size))
-    graphdef, abstract_state = nnx.split(abstract)
+    abstract_meta = None
+    if ops.fp8 is not None:
+        graphdef, abstract_state, abstract_meta = nnx.split(abstract, nnx.Param,
+                                                            model_lib.Fp8MetaState)
+    else:
+        graphdef, abstract_state = nnx.split(abstract)
     logical = sharding.logical_axes(abstract_state)
     shapes = nnx.to_pure_dict(abstract_state)
     master = sharding.param_specs(logical, shapes, mesh, zero1=cfg.parallel.zero1)
     compute = sharding.param_specs(logical, shapes, mesh)
     return Setup(cfg, mesh, graphdef, abstract_state, logical, sharding.named(mesh, master),
-                 sharding.named(mesh, compute), optim.make_optimizer(cfg.train), model_cfg)
+                 sharding.named(mesh, compute), optim.make_optimizer(cfg.train), model_cfg,
+                 abstract_meta, ops.fp8.recipe if ops.fp8 is not None else None)
+
+
+def init_fp8_meta(setup: Setup):
+    """Fresh metas (scale 1, empty histories) in the pure-dict layout of the train state."""
+    return jax.tree.map(lambda m: fp8_lib.init_meta(setup.fp8, m.x.scale.shape),
+                        nnx.to_pure_dict(setup.abstract_meta), is_leaf=fp8_lib.is_fp8_meta)
 
 
 def abstract_train_state(setup: Setup):
     """Shapes and shardings of the train state, allocating nothing."""
     def init_abstract():
         params = nnx.to_pure_dict(setup.abstract_state)
-        return {"params": params, "opt_state": setup.optimizer.init(params),
-                "step": jnp.zeros((), jnp.int32)}
+        state = {"params": params, "opt_state": setup.optimizer.init(params),
+                 "step": jnp.zeros((), jnp.int32)}
+        if setup.fp8 is not None:
+            state["fp8_meta"] = init_fp8_meta(setup)
+        return state
     shapes = jax.eval_shape(init_abstract)
     shardings = state_shardings(setup, shapes)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -102,8 +209,11 @@ def state_shardings(setup: Setup, shapes):
         if isinstance(node, dict):
             return {k: opt_shardings(v) for k, v in node.items()}
         return jax.tree.map(lambda _: replicated, node)
-    return {"params": params_sh, "opt_state": opt_shardings(shapes["opt_state"]),
-            "step": replicated}
+    out = {"params": params_sh, "opt_state": opt_shardings(shapes["opt_state"]),
+           "step": replicated}
+    if "fp8_meta" in shapes:  # tiny, read by every device: replicated
+        out["fp8_meta"] = jax.tree.map(lambda _: replicated, shapes["fp8_meta"])
+    return out
 
 
 def init_train_state(setup: Setup, seed: int):
@@ -115,9 +225,12 @@ def init_train_state(setup: Setup, seed: int):
     def init():
         model = model_lib.Llama(setup.model_cfg, rngs=nnx.Rngs(seed), ops=ops,
                                 real_vocab=setup.cfg.model.vocab_size)
-        params = nnx.to_pure_dict(nnx.state(model))
-        return {"params": params, "opt_state": setup.optimizer.init(params),
-                "step": jnp.zeros((), jnp.int32)}
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        state = {"params": params, "opt_state": setup.optimizer.init(params),
+                 "step": jnp.zeros((), jnp.int32)}
+        if setup.fp8 is not None:
+            state["fp8_meta"] = nnx.to_pure_dict(nnx.state(model, model_lib.Fp8MetaState))
+        return state
     return jax.jit(init, out_shardings=out_shardings)()
 
 
@@ -142,7 +255,11 @@ def train_state_from_params(setup, params: dict):
     shardings = jax.tree.map(lambda s: s.sharding, abstract)
     opt_state = jax.jit(setup.optimizer.init, out_shardings=shardings["opt_state"])(placed)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])
-    return {"params": placed, "opt_state": opt_state, "step": step}
+    state = {"params": placed, "opt_state": opt_state, "step": step}
+    if setup.fp8 is not None:
+        state["fp8_meta"] = jax.jit(lambda: init_fp8_meta(setup),
+                                    out_shardings=shardings["fp8_meta"])()
+    return state
 
 
 def split_microbatches(batch, n_data: int, m: int):
@@ -154,50 +271,70 @@ def split_microbatches(batch, n_data: int, m: int):
     return {k: one(v) for k, v in batch.items()}
 
 
-def loss_sums(setup: Setup, params, mb):
-    """(summed token loss, token count) of one microbatch on one replica."""
-    model = setup.bind(params)
-    logits = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+def loss_sums(setup: Setup, params, mb, fp8_meta=None):
+    """(summed token loss, token count) of one microbatch on one replica. With FP8 on,
+    `fp8_meta` supplies the scales; without it every layer runs in the compute dtype."""
+    model = setup.bind(params, fp8_meta)
+    logits = model(mb["inputs"], mb["positions"], mb["segment_ids"],
+                   use_fp8=fp8_meta is not None)
     return model_lib.cross_entropy_sum(logits, mb["targets"], mb["loss_mask"])
 
 
 def loss_and_grads(setup: Setup):
-    """`fn(params, batch) -> (loss, tokens, grads)` for a whole global batch: microbatch
-    accumulation with one data-parallel reduction at the end (the module docstring)."""
+    """`fn(params, batch, fp8_meta=None) -> (loss, tokens, grads, meta_grad)` for a whole
+    global batch: microbatch accumulation with one data-parallel reduction at the end (the
+    module docstring). `meta_grad` (None without `fp8_meta`) holds the step's amax
+    observations, max-reduced over microbatches and replicas: feed it to
+    `fp8.apply_meta_update`. With pipeline stages the schedule runs the microbatches."""
+    if setup.mesh.shape["stage"] > 1:
+        return pipeline_model.loss_and_grads(setup)
     cfg, mesh = setup.cfg, setup.mesh
     n_data, m = mesh.shape["data"], cfg.parallel.microbatches
     compute_dtype = jnp.dtype(cfg.model.compute_dtype)
     acc_shardings = jax.tree.map(
         lambda sh: NamedSharding(mesh, P("data", *sh.spec)), setup.compute_shardings)
 
-    def per_replica(params, mb):
-        (s, c), g = jax.value_and_grad(lambda p: loss_sums(setup, p, mb), has_aux=True)(params)
-        return s, c, g
-    replica_grads = jax.vmap(per_replica, in_axes=(None, 0), spmd_axis_name="data")
+    def per_replica(params, meta, mb):
+        if meta is None:
+            (s, c), g = jax.value_and_grad(lambda p: loss_sums(setup, p, mb), has_aux=True)(params)
+            return s, c, g, None
+        (s, c), (g, mg) = jax.value_and_grad(
+            lambda p, mt: loss_sums(setup, p, mb, mt), argnums=(0, 1), has_aux=True)(params, meta)
+        return s, c, g, mg
+    replica_grads = jax.vmap(per_replica, in_axes=(None, None, 0), spmd_axis_name="data")
 
-    def fn(params, batch):
+    def fn(params, batch, fp8_meta=None):
         if cfg.parallel.zero1:
             # Distributed optimizer: gather a compute-dtype copy once per step.
             params = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
                 p.astype(compute_dtype), sh), params, setup.compute_shardings)
 
         def accumulate(carry, mb):
-            loss_acc, count_acc, grad_acc = carry
-            s, c, g = replica_grads(params, mb)
+            loss_acc, count_acc, grad_acc, meta_acc = carry
+            s, c, g, mg = replica_grads(params, fp8_meta, mb)
             grad_acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grad_acc, g)
             grad_acc = jax.tree.map(jax.lax.with_sharding_constraint, grad_acc, acc_shardings)
-            return (loss_acc + s, count_acc + c, grad_acc), None
+            if meta_acc is not None:
+                # Observations are max-combined, never summed: the step's amax is the max over
+                # microbatches (and below, over replicas), as TE's amax reduction.
+                meta_acc = fp8_lib.combine_meta_grads(meta_acc, mg)
+            return (loss_acc + s, count_acc + c, grad_acc, meta_acc), None
 
         zeros = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
             jnp.zeros((n_data, *p.shape), jnp.float32), sh), params, acc_shardings)
-        init = (jnp.zeros((n_data,), jnp.float32), jnp.zeros((n_data,), jnp.float32), zeros)
-        (loss_sum, count, grad_sum), _ = jax.lax.scan(
+        # A zero observation has use count 0: it means "not seen" to combine_meta_grads.
+        no_obs = None if fp8_meta is None else jax.tree.map(
+            lambda a: jnp.zeros((n_data, *a.shape), jnp.float32), fp8_meta)
+        init = (jnp.zeros((n_data,), jnp.float32), jnp.zeros((n_data,), jnp.float32), zeros,
+                no_obs)
+        (loss_sum, count, grad_sum, meta_obs), _ = jax.lax.scan(
             accumulate, init, split_microbatches(batch, n_data, m))
         # The one data-parallel reduction of the step.
         total = jnp.maximum(jnp.sum(count), 1.0)
         grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(
             jnp.sum(g, axis=0) / total, sh), grad_sum, setup.param_shardings)
-        return jnp.sum(loss_sum) / total, jnp.sum(count), grads
+        meta_grad = None if meta_obs is None else fp8_lib.max_meta_grads(meta_obs, axis=0)
+        return jnp.sum(loss_sum) / total, jnp.sum(count), grads, meta_grad
     return fn
 
 
@@ -210,10 +347,19 @@ def _shardings(setup: Setup):
 
 def make_grad_step(setup: Setup):
     """Jitted `(params, batch) -> (loss, tokens, grads)`: the train step without the update,
-    for layout comparisons and inspection."""
+    for layout comparisons and inspection. With FP8 on: `(params, batch, fp8_meta) -> (loss,
+    tokens, grads, next fp8_meta)`."""
     state_sh, batch_sh = _shardings(setup)
-    return jax.jit(loss_and_grads(setup), in_shardings=(state_sh["params"], batch_sh),
-                   out_shardings=(None, None, state_sh["params"]))
+    compute = loss_and_grads(setup)
+    if setup.fp8 is None:
+        return jax.jit(lambda p, b: compute(p, b)[:3], in_shardings=(state_sh["params"], batch_sh),
+                       out_shardings=(None, None, state_sh["params"]))
+
+    def grad_step(params, batch, fp8_meta):
+        loss, tokens, grads, meta_grad = compute(params, batch, fp8_meta)
+        return loss, tokens, grads, fp8_lib.apply_meta_update(fp8_meta, meta_grad, setup.fp8)
+    return jax.jit(grad_step, in_shardings=(state_sh["params"], batch_sh, state_sh["fp8_meta"]),
+                   out_shardings=(None, None, state_sh["params"], state_sh["fp8_meta"]))
 
 
 def make_train_step(setup: Setup, *, donate: bool = True):
@@ -221,12 +367,17 @@ def make_train_step(setup: Setup, *, donate: bool = True):
     compute = loss_and_grads(setup)
 
     def train_step(state, batch):
-        loss, tokens, grads = compute(state["params"], batch)
+        loss, tokens, grads, meta_grad = compute(state["params"], batch, state.get("fp8_meta"))
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], state["params"])
         new_params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": optim.learning_rate(cfg.train)(state["step"]), "tokens": tokens}
-        return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
+        if setup.fp8 is not None:
+            # Replaced, not optimised: the observations become next step's scales.
+            new_state["fp8_meta"] = fp8_lib.apply_meta_update(state["fp8_meta"], meta_grad,
+                                                              setup.fp8)
+        return new_state, metrics
 
     state_sh, batch_sh = _shardings(setup)
     return jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
@@ -234,14 +385,29 @@ def make_train_step(setup: Setup, *, donate: bool = True):
 
 
 def make_eval_step(setup: Setup):
+    """Jitted `(params, batch, fp8_meta=None) -> (loss sum, tokens)`. With FP8 on, passing the
+    train state's metas evaluates in FP8 as training runs; without them, in the compute dtype."""
     mesh = setup.mesh
     n_data = mesh.shape["data"]
 
-    def eval_step(params, batch):
+    def eval_step(params, batch, fp8_meta=None):
         mbs = split_microbatches(batch, n_data, 1)
         mb = {k: v[0] for k, v in mbs.items()}
-        s, c = jax.vmap(lambda mbi: loss_sums(setup, params, mbi), spmd_axis_name="data")(mb)
+        s, c = jax.vmap(lambda mbi: loss_sums(setup, params, mbi, fp8_meta),
+                        spmd_axis_name="data")(mb)
         return jnp.sum(s), jnp.sum(c)
 
     batch_sh = {k: NamedSharding(mesh, sharding.batch_spec(mesh)) for k in BATCH_KEYS}
-    return jax.jit(eval_step, in_shardings=(setup.param_shardings, batch_sh))
+    if mesh.shape["stage"] > 1:
+        sums = jax.jit(pipeline_model.eval_sums(setup), in_shardings=(setup.param_shardings, batch_sh))
+        return lambda params, batch, fp8_meta=None: sums(params, batch)
+    plain = jax.jit(lambda params, batch: eval_step(params, batch),
+                    in_shardings=(setup.param_shardings, batch_sh))
+    if setup.fp8 is None:
+        return lambda params, batch, fp8_meta=None: plain(params, batch)
+    meta_sh = _shardings(setup)[0]["fp8_meta"]
+    with_meta = jax.jit(eval_step, in_shardings=(setup.param_shardings, batch_sh, meta_sh))
+
+    def dispatch(params, batch, fp8_meta=None):
+        return plain(params, batch) if fp8_meta is None else with_meta(params, batch, fp8_meta)
+    return dispatch

@@ -55,10 +55,12 @@ def global_batch_array(setup, local_batch: dict) -> dict:
             for k in step_lib.BATCH_KEYS}
 
 
-def evaluate(setup, eval_step, params, batches, n_batches: int) -> float:
+def evaluate(setup, eval_step, state, batches, n_batches: int) -> float:
+    """Mean token loss over `n_batches` held-out batches (in FP8 when the run trains in FP8)."""
     loss_sum = count = 0.0
     for _ in range(n_batches):
-        s, c = eval_step(params, global_batch_array(setup, next(batches)))
+        s, c = eval_step(state["params"], global_batch_array(setup, next(batches)),
+                         state.get("fp8_meta"))
         loss_sum, count = loss_sum + float(s), count + float(c)
     return loss_sum / max(count, 1.0)
 
@@ -129,7 +131,7 @@ def train(cfg: Config, *, log=print) -> dict:
                 last_logged = _finish(pending, cfg, throughput, writer) or last_logged
                 pending = None
             if evaluating:
-                loss = evaluate(setup, eval_step, state["params"], eval_batches,
+                loss = evaluate(setup, eval_step, state, eval_batches,
                                 cfg.train.eval_batches)
                 writer.write(done, {"eval_loss": loss})
                 last_logged = {**last_logged, "eval_loss": loss}

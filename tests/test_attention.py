@@ -5,7 +5,6 @@ layouts; selection fails early with clear errors.
 Interpret mode compiles slowly, so shapes are tiny (1 layer, seq 32, head dim 16) and the grad
 step compiles at XLA optimisation level 0 (the numbers are the same, the compile half as long).
 """
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,19 +19,6 @@ from util import random_batch, tiny_config
 
 BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=8")
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-@pytest.fixture(autouse=True)
-def mesh_aware_attention(monkeypatch):
-    """The step.py wiring this module asks for: make_ops passes the mesh to attention.select.
-    Redundant (and harmless) once step.make_ops does it itself."""
-    make_ops = step.make_ops
-
-    def patched(cfg, mesh):
-        ops = make_ops(cfg, mesh)
-        return dataclasses.replace(
-            ops, attention=attention.select(cfg.model, mesh, inside_data_vmap=True))
-    monkeypatch.setattr(step, "make_ops", patched)
 
 
 def _random_params(setup):

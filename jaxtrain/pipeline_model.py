@@ -1,0 +1,208 @@
+"""The Llama model on the pipeline executor: the train step's loss and grads when stage > 1.
+
+`loss_and_grads(setup)` has the contract of `step.loss_and_grads(setup)`: a function
+`(params, batch) -> (loss, tokens, grads, None)` over the usual pure-dict params (blocks
+stacked [L, ...]) and a global batch [B, S]; loss = summed token loss / token count, so it
+equals the unpipelined step up to float rounding. How the model maps onto the executor:
+
+- embedding: inside the first virtual stage (`embed_fn`), so no activation-sized [m, B, S, D]
+  input or input-gradient buffer exists and 1F1B's memory does not grow with m;
+- chunks: the blocks split into p*v chunks of L/(p*v) layers (pipeline.stack_stages), each run
+  by the model's layer runner, so remat policies apply per layer inside a chunk (block:N
+  counts the chunk's layers);
+- RoPE tables: recomputed per chunk from the microbatch's positions (chunk_aux), with its
+  segment ids; cheaper than holding [m, B, S, E] tables;
+- head: final norm + lm_head + summed cross entropy on (targets, loss_mask) as aux.
+
+Microbatches: the global batch [B, S] (sharded over data x fsdp) becomes [m, B/m, S] with the
+rows of each device staying on it (row r of a device's block goes to microbatch r % m, as
+step.split_microbatches). The schedule comes from cfg.parallel (schedule, stage,
+virtual_stages, microbatches). `eval_sums(setup)` is the forward-only variant of
+step.make_eval_step's sums.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain import model as model_lib
+from jaxtrain import pipeline as pl
+from jaxtrain import remat, sharding
+from jaxtrain.pipeline import PipelineError
+
+__all__ = ["PipelineModel", "build", "loss_and_grads", "pipelined_loss_and_grads", "eval_sums",
+           "split_microbatches"]
+
+CHUNK_AUX_KEYS = ("positions", "segment_ids")
+HEAD_AUX_KEYS = ("targets", "loss_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class _InShardMap:
+    """The model's activation constraint, made valid inside the executor's shard_map.
+
+    Inside a shard_map a constraint must name the context's abstract mesh (whose `stage` and
+    `data` are manual), not the concrete one; `batch` maps to the automatic `fsdp` only, as
+    inside the train step's data vmap. Outside a shard_map it is the wrapped constraint.
+    """
+    inner: Any
+
+    def __call__(self, x, names):
+        ctx = jax.sharding.get_abstract_mesh()
+        if ctx.empty or not ctx.manual_axes or not isinstance(self.inner,
+                                                              sharding.ActivationSharding):
+            return self.inner(x, names)
+        return dataclasses.replace(self.inner, mesh=ctx, inside_data_vmap=True)(x, names)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineModel:
+    """The pieces the executor runs, built once per setup (all static)."""
+    setup: Any
+    graphdef: Any              # the Llama with shard_map-safe constraints
+    abstract_state: Any
+    block_apply: Any           # (layer_state, x, cos, sin, segment_ids) -> x
+    run_layers: Any            # the remat layer runner, applied to one chunk
+    schedule: pl.Schedule
+
+    @property
+    def mesh(self):
+        return self.setup.mesh
+
+    def bind(self, params):
+        """A Llama over (a subset of) the pure-dict params; absent leaves stay abstract."""
+        state = jax.tree.map(lambda x: x, self.abstract_state)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    # The executor's three functions; none closes over a differentiated value.
+    def embed_fn(self, embed_params, inputs):
+        return self.bind(embed_params).embed_tokens(inputs["inputs"])
+
+    def chunk_fn(self, chunk_state, x_BSD, chunk_aux):
+        cos, sin = model_lib.rope_tables(self.setup.model_cfg, chunk_aux["positions"])
+        segment_ids_BS = chunk_aux["segment_ids"]
+        block = lambda s, x: self.block_apply(s, x, cos, sin, segment_ids_BS)  # noqa: E731
+        return self.run_layers(block, x_BSD, chunk_state)
+
+    def head_loss_fn(self, head_params, x_BSD, aux):
+        logits_BSV = self.bind(head_params).logits(x_BSD)
+        return model_lib.cross_entropy_sum(logits_BSV, aux["targets"], aux["loss_mask"])[0]
+
+    def split_params(self, params):
+        """(chunk states [p, v, Lc, ...], head params, embed params) of the pure-dict params."""
+        cfg = self.setup.cfg
+        blocks = self.bind({"blocks": params["blocks"]}).block_fn()[1]
+        chunks = pl.stack_stages(blocks, self.schedule.stages, self.schedule.virtual_stages)
+        head = {"final_norm": params["final_norm"]}
+        head.update({"embed": params["embed"]} if cfg.model.tie_embeddings
+                    else {"lm_head": params["lm_head"]})
+        return chunks, head, {"embed": params["embed"]}
+
+    def loss_sum(self, params, batch, *, bubble_fill: float = 0.0):
+        """(mean over microbatches and data replicas of their summed token loss, tokens)."""
+        mbs = split_microbatches(batch, self.mesh, self.schedule.microbatches)
+        chunks, head, embed = self.split_params(params)
+        loss = pl.pipelined_loss(
+            self.chunk_fn, self.head_loss_fn, chunks, head, {"inputs": mbs["inputs"]},
+            {k: mbs[k] for k in HEAD_AUX_KEYS}, schedule=self.schedule, mesh=self.mesh,
+            embed_fn=self.embed_fn, embed_params=embed,
+            chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, bubble_fill=bubble_fill)
+        return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32))
+
+    @property
+    def replicas(self) -> int:
+        """How many (microbatch, data replica) losses the executor averages."""
+        return self.schedule.microbatches * self.mesh.shape.get(pl.DATA_AXIS, 1)
+
+
+def build(setup) -> PipelineModel:
+    """Check that `setup` can run pipelined and build its PipelineModel."""
+    cfg, mesh = setup.cfg, setup.mesh
+    par = cfg.parallel
+    p, v, m = mesh.shape.get(pl.STAGE_AXIS, 1), par.virtual_stages, par.microbatches
+    if getattr(setup, "fp8", None) is not None:
+        raise PipelineError("fp8.enabled with parallel.stage > 1: FP8 metas are not threaded "
+                            "through the pipeline yet; set fp8.enabled=false or parallel.stage=1")
+    if par.first_stage_layers or par.last_stage_layers:
+        raise PipelineError(
+            f"parallel.first_stage_layers={par.first_stage_layers} / last_stage_layers="
+            f"{par.last_stage_layers}: the pipeline runs equal chunks only; set both to 0")
+    if cfg.model.num_layers % (p * v):
+        raise PipelineError(f"model.num_layers={cfg.model.num_layers} does not split into "
+                            f"stage={p} x virtual_stages={v} equal chunks; change one of them")
+    schedule = pl.build_schedule(par.schedule, p, m, v)
+    remat.validate(cfg.remat, cfg.model.num_layers // (p * v))
+    base = nnx.merge(setup.graphdef, setup.abstract_state)
+    ops = dataclasses.replace(base.ops, constrain=_InShardMap(base.ops.constrain))
+    abstract = nnx.eval_shape(lambda: model_lib.Llama(setup.model_cfg, rngs=nnx.Rngs(0),
+                                                      ops=ops, real_vocab=base.real_vocab))
+    graphdef, abstract_state = nnx.split(abstract)
+    block_apply = abstract.block_fn()[0]
+    return PipelineModel(setup, graphdef, abstract_state, block_apply,
+                         ops.run_layers or model_lib.scan_layers, schedule)
+
+
+def split_microbatches(batch: dict, mesh, m: int) -> dict:
+    """[B, ...] -> [m, B/m, ...] keeping each device's rows on it: row r of a device's block
+    (B sharded over data x fsdp) goes to microbatch r % m."""
+    n = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    spec = sharding.batch_spec(mesh)
+
+    def one(a):
+        if a.shape[0] % (n * m):
+            raise PipelineError(f"batch dim {a.shape[0]} does not split into data*fsdp={n} x "
+                                f"microbatches={m}; change train.global_batch or "
+                                "parallel.microbatches")
+        b = a.shape[0] // (n * m)
+        a = jnp.moveaxis(a.reshape(n, b, m, *a.shape[1:]), 2, 0).reshape(m, n * b, *a.shape[1:])
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(None, *spec)))
+    return {k: one(a) for k, a in batch.items()}
+
+
+def loss_and_grads(setup):
+    """`fn(params, batch, fp8_meta=None) -> (loss, tokens, grads, None)`: step.loss_and_grads
+    on the pipeline (the last item stands for FP8 meta gradients, which it does not support)."""
+    pm = build(setup)
+    cfg = setup.cfg
+    compute_dtype = jnp.dtype(cfg.model.compute_dtype)
+
+    def fn(params, batch, fp8_meta=None):
+        if fp8_meta is not None:
+            raise PipelineError("fp8_meta with parallel.stage > 1 is not supported")
+        if cfg.parallel.zero1:
+            # Distributed optimizer: gather a compute-dtype copy once per step.
+            params = jax.tree.map(lambda a, sh: jax.lax.with_sharding_constraint(
+                a.astype(compute_dtype), sh), params, setup.compute_shardings)
+        tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+        total = jnp.maximum(tokens, 1.0)
+
+        def loss_fn(params_):
+            # the executor averages per-(microbatch, replica) sums: rescale to sum / tokens
+            return pm.loss_sum(params_, batch)[0] * (pm.replicas / total)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(
+            g.astype(jnp.float32), sh), grads, setup.param_shardings)
+        return loss, tokens, grads, None
+    return fn
+
+
+def pipelined_loss_and_grads(setup, params, batch):
+    """(loss, tokens, grads) of one global batch, as step.loss_and_grads(setup)(params, batch)."""
+    return loss_and_grads(setup)(params, batch)[:3]
+
+
+def eval_sums(setup):
+    """`fn(params, batch) -> (summed token loss, tokens)`: forward ops only, as
+    step.make_eval_step's sums (unjitted)."""
+    pm = build(setup)
+
+    def fn(params, batch):
+        mean, tokens = pm.loss_sum(params, batch)
+        return mean * pm.replicas, tokens
+    return fn
