@@ -15,13 +15,27 @@ from jaxtrain.config import ConfigError, load_config
 
 
 def maybe_initialize_distributed() -> None:
-    """Join a multi-process job when a launcher set one up (SLURM, or JAX's env variables)."""
+    """Join a multi-process job when a launcher set one up: JAX's variables
+    (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) or a cluster jax detects
+    (SLURM, Open MPI, ...). Must run before anything touches a jax backend."""
     import jax
-    launched = ("JAX_COORDINATOR_ADDRESS" in os.environ
-                or int(os.environ.get("SLURM_NTASKS", "1")) > 1)
-    if launched and not getattr(maybe_initialize_distributed, "done", False):
-        jax.distributed.initialize()
-        maybe_initialize_distributed.done = True
+    if getattr(maybe_initialize_distributed, "done", False):
+        return
+    env = os.environ
+    names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+    if any(n in env for n in names[1:]):
+        missing = [n for n in names if n not in env]
+        if missing:
+            raise ConfigError(f"a multi-process launch sets {', '.join(names)}; "
+                              f"{', '.join(missing)} is missing")
+        # jax.distributed.initialize() reads only the address from the environment (jax 0.10).
+        jax.distributed.initialize(num_processes=int(env["JAX_NUM_PROCESSES"]),
+                                   process_id=int(env["JAX_PROCESS_ID"]))
+    elif "JAX_COORDINATOR_ADDRESS" in env or int(env.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize()  # the cluster environment supplies the rest
+    else:
+        return
+    maybe_initialize_distributed.done = True
 
 
 def run(config_path: str, overrides, *, inspect_sharding: bool = False, dry_run: bool = False,

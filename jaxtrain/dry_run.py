@@ -196,8 +196,8 @@ def scale_to_devices(cfg: Config, planned: Planned, n: int) -> tuple[Config, lis
 
     layers, per_stage = cfg.model.num_layers, max(planned.estimate.stage_layers)
     if P.stage > 1:
-        change("parallel.stage", 1, "pipeline stages are not wired into the trainer yet, so "
-               f"every device holds all {layers} layers where the plan holds {per_stage}: "
+        change("parallel.stage", 1, "the dry run compiles without pipeline stages (not wired "
+               f"into the dry run yet), so every device holds all {layers} layers where the plan holds {per_stage}: "
                f"static memory and the layer collectives grow {layers / per_stage:.3g}x")
         change("parallel.virtual_stages", 1)
         change("parallel.schedule", "1f1b")
@@ -277,8 +277,8 @@ class DryRun:
             out += [f"    {c}" for c in self.changes]
         else:
             out.append("  the configured layout, unchanged")
-        out.append("  stage=1: pipeline stages are not wired into the trainer yet (parallel.stage>1"
-                   " is refused), so a dry run always compiles stage=1")
+        out.append("  stage=1: pipeline stages are not wired into the dry run yet, so it always "
+                   "compiles stage=1")
         out.append(f"  lowered in {self.lower_s:.1f} s, compiled in {self.compile_s:.1f} s from "
                    "abstract parameters: nothing allocated")
         lm = self.ledger_memory()

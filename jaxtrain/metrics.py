@@ -56,7 +56,8 @@ class Throughput:
 
 
 def device_memory_gb() -> float | None:
-    stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
+    device = jax.local_devices()[0]  # jax.devices()[0] belongs to process 0 only
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "peak_bytes_in_use" not in stats:
         return None
     return stats["peak_bytes_in_use"] / 2**30

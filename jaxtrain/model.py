@@ -280,8 +280,14 @@ class Llama(nnx.Module):
     # The three stages of the forward pass, separately callable so a pipeline can put the
     # embedding before and the head after its stages.
     def embed_tokens(self, tokens_BS):
-        x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(jnp.dtype(self.cfg.compute_dtype))
-        return self.ops.constrain(x_BSD, ("batch", "length", "embed"))
+        c = self.ops.constrain
+        # The table as it is computed with: whole over `embed` (FSDP gathers it like any weight),
+        # split over `vocab`, so the lookup is vocab-parallel (masked lookup, partial sums reduced
+        # over tensor) instead of whatever GSPMD picks for a 2-D sharded gather.
+        table_VD = c(self.embed[...], ("vocab", "embed"))
+        x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(jnp.dtype(self.cfg.compute_dtype))
+        x_BSD = c(x_BSD, ("batch", None, "embed"))  # whole sequence: reduce, then split for SP
+        return c(x_BSD, ("batch", "length", "embed"))
 
     def block_fn(self):
         """(layer_state, x, cos, sin, segment_ids, fp8=False) -> x for one layer, and the
@@ -314,6 +320,7 @@ class Llama(nnx.Module):
     def logits(self, x_BSD):
         h_BSD = self.final_norm(x_BSD)
         w_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        w_DV = self.ops.constrain(w_DV, ("embed", "vocab"))  # gathered once, vocab-parallel
         logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, w_DV.astype(h_BSD.dtype),
                                 preferred_element_type=jnp.float32)
         if self.real_vocab < self.cfg.vocab_size:

@@ -57,6 +57,11 @@ class _InShardMap:
         if ctx.empty or not ctx.manual_axes or not isinstance(self.inner,
                                                               sharding.ActivationSharding):
             return self.inner(x, names)
+        if "batch" not in names:
+            # A weight's compute layout (the embedding table, lm_head): constraining it here
+            # puts a sharding on its gradient in one branch of the executor's conditionals
+            # only, which XLA rejects ("Inconsistent conditional sharding"); GSPMD decides.
+            return x
         return dataclasses.replace(self.inner, mesh=ctx, inside_data_vmap=True)(x, names)
 
 

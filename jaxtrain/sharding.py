@@ -31,7 +31,7 @@ RULES: dict[str, tuple] = {
     "vocab":    ("tensor", "tensor"),
     "head_dim": (None,     None),
     "norm":     (None,     None),
-    "layers":   (None,     None),
+    "layers":   ("stage",  None),     # pipeline: each stage holds its layers
 }
 
 
@@ -57,8 +57,13 @@ def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
         raise LayoutError("parallel.context > 1: context parallelism is not implemented yet; "
                           "set parallel.context=1")
     if shape["stage"] > 1:
-        raise LayoutError("parallel.stage > 1: pipeline parallelism is not wired into the trainer "
-                          "yet; set parallel.stage=1")
+        p = cfg.parallel
+        if p.first_stage_layers or p.last_stage_layers:
+            raise LayoutError("parallel.first_stage_layers/last_stage_layers: uneven pipeline "
+                              "stages are not supported by the executor yet; set both to 0")
+        if cfg.fp8.enabled:
+            raise LayoutError("fp8.enabled with parallel.stage > 1: FP8 metas are not threaded "
+                              "through the pipeline yet; turn one of them off")
     return shape
 
 
@@ -121,7 +126,9 @@ def add_data_axis(spec: P, shape, mesh: Mesh) -> P:
     for i, (axes, dim) in enumerate(zip(parts, shape)):
         flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
         if dim % (n * math.prod(mesh.shape[a] for a in flat)) == 0:
-            parts[i] = ("data", *flat) if flat else "data"
+            # `data` minor: each compute shard (say tensor block i) is then the contiguous run
+            # of data sub-blocks, so gathering over `data` needs no device permutation.
+            parts[i] = (*flat, "data") if flat else "data"
             return P(*parts)
     return spec
 
@@ -146,7 +153,9 @@ class ActivationSharding:
 
     def __call__(self, x, names):
         overrides = {}
-        if self.sequence_parallel:
+        if self.sequence_parallel and not any(_uses_tensor(n) for n in names):
+            # Only the residual stream ([batch, length, embed]) is split over the sequence;
+            # arrays with a tensor-parallel dim (logits: vocab) keep tensor on that dim.
             overrides["length"] = "tensor" if self.mesh.shape["tensor"] > 1 else None
         if self.inside_data_vmap:
             overrides["batch"] = "fsdp" if self.mesh.shape["fsdp"] > 1 else None
@@ -154,6 +163,11 @@ class ActivationSharding:
         if self.sequence_parallel and "length" in names:
             spec = _drop_if_indivisible(spec, x.shape, self.mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def _uses_tensor(name) -> bool:
+    axes = RULES.get(name, (None, None))[1] if name is not None else None
+    return axes == "tensor" or (isinstance(axes, tuple) and "tensor" in axes)
 
 
 def _drop_if_indivisible(spec, shape, mesh):

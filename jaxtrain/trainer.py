@@ -45,6 +45,17 @@ def write_run_info(workdir: pathlib.Path, cfg: Config) -> None:
     (workdir / "run.json").write_text(json.dumps(info, indent=2))
 
 
+def pipeline_summary(cfg: Config, stages: int) -> str:
+    """The configured schedule's bubble (ledger) and static in-flight bound (simulator)."""
+    from jaxtrain.ledger import bubble_fraction
+    from jaxtrain.pipeline_schedule import build_schedule
+    p, v, m = stages, cfg.parallel.virtual_stages, cfg.parallel.microbatches
+    schedule = build_schedule(cfg.parallel.schedule, p, m, v)
+    return (f"pipeline: {cfg.parallel.schedule} stages={p} virtual={v} microbatches={m}; bubble "
+            f"(p-1)/(m·v) = {bubble_fraction(p, m, v):.1%}; stashed chunk inputs per rank at "
+            f"most {tuple(schedule.stash_slots)} ({schedule.num_steps} lock-step steps)")
+
+
 def global_batch_array(setup, local_batch: dict) -> dict:
     """Assemble this process's rows into global arrays sharded over (data, fsdp)."""
     spec = sharding.batch_spec(setup.mesh)
@@ -76,6 +87,8 @@ def train(cfg: Config, *, log=print) -> dict:
         cfg.remat = choose_policy(cfg, mesh)
         log(f"remat.policy=auto chose {cfg.remat}")
     setup = step_lib.build(cfg, mesh)
+    if mesh.shape["stage"] > 1 and is_main:
+        log(pipeline_summary(cfg, mesh.shape["stage"]))
     tokenizer = data_lib.make_tokenizer(cfg.data)
     data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
     if is_main:

@@ -86,8 +86,8 @@ def test_scaling_keeps_the_model_and_the_planned_micro_batch():
     assert (p.tensor, p.stage, p.virtual_stages, p.data) == (8, 1, 1, 1)
     assert scaled.model == cfg.model
     assert scaled.train.global_batch == planned.layout.micro_batch * p.microbatches
-    assert any(c.startswith(f"parallel.stage {cfg.parallel.stage} -> 1 (pipeline stages are "
-                            "not wired") for c in changes)
+    assert any(c.startswith(f"parallel.stage {cfg.parallel.stage} -> 1 (the dry run compiles "
+                            "without pipeline stages") for c in changes)
     assert any(c.startswith("parallel.tensor 16 -> 8") for c in changes)
     tiny = load_config(TINY)
     assert dry_run.scale_to_devices(tiny, dry_run.plan_devices(tiny, "h100", present=8),
@@ -120,7 +120,7 @@ def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
     # Both columns, the collectives table and the stage note are printed.
     for text in ("dry run on 8 x cpu", "parallel.stage ", "ledger    compiled",
                  "state: fp32 master + Adam m, v", "temporaries", "all-gather  tensor",
-                 "stage=1: pipeline stages are not wired", "FLOPs per device per step"):
+                 "stage=1: pipeline stages are not wired into the dry run", "FLOPs per device per step"):
         assert text in out, text
 
     # Arguments are the fp32 master params and Adam's m and v: the ledger's 12 bytes/param.

@@ -64,3 +64,10 @@ def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     wider = tiny_config("--train.steps=2", "--model.mlp_size=192", workdir=str(tmp_path))
     with pytest.raises(CheckpointMismatchError, match=r"w_down/kernel.*\(2, 128, 64\)"):
         trainer.train(wider)
+
+
+def test_pipeline_schedule_summary_printed_at_start():
+    cfg = tiny_config("--parallel.stage=2", "--parallel.microbatches=4",
+                      "--parallel.schedule=interleaved_1f1b", "--parallel.virtual_stages=2")
+    text = trainer.pipeline_summary(cfg, 2)
+    assert "bubble (p-1)/(m·v) = 12.5%" in text and "at most (2, 3)" in text

@@ -1,0 +1,239 @@
+"""The compiled train step moves the bytes the ledger says it does (DESIGN.md §5, §6).
+
+Measured: `jaxtrain.hlo` reading the optimized, partitioned HLO of `step.make_train_step`.
+Expected: `jaxtrain.ledger.comm`'s formulas evaluated with this model's sizes, plus the terms
+the formulas leave out, each derived below from the model's shapes (never from a measurement).
+
+Compared per mesh axis and per class of collective, at the level every backend agrees on
+(shared/notes/xla-cpu-collectives.md): the CPU pipeline has no reduce-scatter creator, so a
+gradient reduce-scatter is an all-reduce whose result is only sliced. Inside the tuples the
+all-reduce combiner builds, `hlo` cannot tell the two apart. Reduce-scatters and all-reduces
+therefore form one class, "reduce", whose payload is the unreduced operand either way (the same
+number on GPU). "gather" is the all-gather payload (the gathered buffer).
+
+Byte widths: the tests compute in fp32 (tests/util.tiny_config), and gradients are reduced in
+fp32 (step.py accumulates them in fp32), so every collective here moves 4-byte elements. The
+ledger's formulas count bf16 (2 bytes), so they are scaled by WIDTH / 2.
+
+The model has 8 query heads and 4 KV heads, so tensor <= 4 splits every projection: that is
+the case the formulas describe. (With fewer KV heads than tensor ranks, K and V are replicated
+and their gradients are summed over sub-groups of the tensor axis: traffic the formulas leave
+out.)
+"""
+import collections
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxtrain import hlo, sharding, step
+from jaxtrain.ledger import comm
+from jaxtrain.ledger.layout import layout_from_config
+from test_parallel import LAYOUTS
+from util import tiny_config
+
+MODEL = ("--model.vocab_size=512", "--model.num_heads=8", "--model.num_kv_heads=4",
+         "--train.global_batch=16")
+WIDTH = 4          # bytes per element of every collective in these fp32 tests
+LEDGER_WIDTH = 2   # the ledger's formulas count bf16
+LOSS_WIDTH = 4     # cross entropy runs in fp32 whatever the compute dtype
+TOLERANCE = 0.05
+# Reductions of scalars (loss sum, token count, grad-norm partial sums) ride on whatever axes
+# the partitioner picks; their bytes are not communication volume worth a formula.
+SCALAR_BYTES = 256
+# Only codegen changes: the optimized HLO (all this test reads) is the same at -O0.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_step(name: str):
+    """(cfg, setup, compiled train step, collectives) of one layout of test_parallel.py."""
+    cfg = tiny_config(*MODEL, *LAYOUTS[name])
+    setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
+    batch_sh = step._shardings(setup)[1]
+    batch = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len),
+                                     jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=batch_sh[k]) for k in step.BATCH_KEYS}
+    compiled = step.make_train_step(setup).lower(
+        step.abstract_train_state(setup), batch).compile(compiler_options=FAST_COMPILE)
+    return cfg, setup, compiled, hlo.collectives(compiled, setup.mesh)
+
+
+# ----------------------------------------------------------------------------- expected
+
+def local_elements(setup) -> dict[str, int]:
+    """Parameter elements one device computes with after the tensor split, by role."""
+    shapes = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(setup.abstract_state))[0]
+    shardings = jax.tree.leaves(setup.compute_shardings)
+    t = setup.mesh.shape["tensor"]
+    out = collections.Counter()
+    for (path, x), sh in zip(shapes, shardings):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        split = math.prod(setup.mesh.shape[a] for axes in sh.spec if axes
+                          for a in ((axes,) if isinstance(axes, str) else axes) if a == "tensor")
+        role = ("embed" if keys[0] == "embed" else "head" if keys[0] == "lm_head"
+                else "norm" if keys[-2].endswith("norm") else "layer")
+        # The formulas assume every matrix is split t ways; norms are never split.
+        assert split == (1 if role == "norm" else t), (keys, sh.spec)
+        out[role] += math.prod(x.shape) // split
+    return out
+
+
+def expected_bytes(cfg, setup) -> dict[tuple, float]:
+    """Payload bytes per step by (mesh axes, class): the ledger plus the named extra terms."""
+    layout = layout_from_config(cfg, setup.mesh.size)
+    n = local_elements(setup)
+    n_local = sum(n.values())  # §5's N_local: parameters held after the tensor split
+    scale = WIDTH / LEDGER_WIDTH
+    m, L, t = layout.microbatches, cfg.model.num_layers, layout.tensor
+    out = collections.Counter()
+
+    if layout.data > 1:
+        # Ledger: reduce-scatter of gradients + all-gather of params, N_local/fsdp each.
+        dp = comm.dp_bytes(layout, n_local) * scale
+        if layout.zero1:
+            out[("data",), "reduce"] += dp / 2
+            out[("data",), "gather"] += dp / 2
+        else:
+            # Plain DP all-reduces: one payload, which a ring moves as the ledger's two halves.
+            # Norm scales are not fsdp-sharded, so DP reduces all of them, not 1/fsdp.
+            out[("data",), "reduce"] += dp / 2 + n["norm"] * WIDTH * (1 - 1 / layout.fsdp)
+
+    if layout.fsdp > 1:
+        # Ledger: per microbatch, all-gather forward + all-gather backward + reduce-scatter.
+        fsdp = comm.fsdp_bytes(layout, n_local) * scale
+        out[("fsdp",), "reduce"] += fsdp / 3  # norm grads are all-reduced: same payload
+        # Embedding table and lm_head live outside the layer scan: loop-invariant, so XLA
+        # gathers each once per step and keeps it (the table's backward is a scatter-add that
+        # needs no weights; nothing outside the scan is rematerialised). Norm scales are
+        # replicated over fsdp and never gathered.
+        out[("fsdp",), "gather"] += (2 * fsdp / 3 - (2 * m - 1) * (n["embed"] + n["head"]) * WIDTH
+                                     - 2 * m * n["norm"] * WIDTH)
+
+    if t > 1:
+        b, s, d = layout.micro_batch, cfg.train.seq_len, cfg.model.hidden_size
+        sbh = b * s * d * WIDTH                 # one residual-stream activation, full sequence
+        loss = 3 * b * s * LOSS_WIDTH           # vocab-parallel CE: max, sum of exp, target logit
+        # Ledger: ring wire bytes per layer and microbatch, 8·(t−1)/t·s·b·h.
+        tp = comm.tp_bytes_per_layer_microbatch(cfg, layout, s) * scale
+        # CPU has no AllReduceReassociate: the input gradients of the separate q, k, v and
+        # gate, up projections are reduced one by one (5 per layer) where a GPU adds them
+        # first and reduces twice. Three extra reductions of a residual-stream activation.
+        unreassociated = 3 * sbh
+        if layout.sequence_parallel:
+            payload = tp / ((t - 1) / t)        # 4 all-gathers + 4 reduce-scatters
+            # Backward re-gathers the two sequence-sharded norm outputs for the weight
+            # gradients (Megatron does too); norm-scale gradients are partial over the sequence.
+            layer_gather = payload / 2 + 2 * sbh
+            layer_reduce = payload / 2 + unreassociated + 2 * d * WIDTH
+            # Embedding: vocab-parallel lookup reduce-scattered to the sequence shards, its
+            # gradient all-gathered back; lm_head: the final norm output all-gathered, its
+            # gradient reduce-scattered; the final norm's scale gradient all-reduced.
+            rest_gather = 2 * sbh
+            rest_reduce = 2 * sbh + d * WIDTH + loss
+        else:
+            payload = tp / (2 * (t - 1) / t)    # 4 all-reduces
+            layer_gather, layer_reduce = 0, payload + unreassociated
+            # Vocab-parallel embedding all-reduce; lm_head input-gradient all-reduce.
+            rest_gather, rest_reduce = 0, 2 * sbh + loss
+        if layer_gather + rest_gather:
+            out[("tensor",), "gather"] += m * (L * layer_gather + rest_gather)
+        out[("tensor",), "reduce"] += m * (L * layer_reduce + rest_reduce)
+    return dict(out)
+
+
+def measured_bytes(colls) -> dict[tuple, int]:
+    out = collections.Counter()
+    for c in colls:
+        cls = {"all-gather": "gather", "all-reduce": "reduce", "reduce-scatter": "reduce"}
+        out[c.axes, cls.get(c.kind, c.kind)] += c.bytes_per_step
+    return dict(out)
+
+
+def comparison(name: str) -> list[tuple]:
+    """(axes, class, expected, measured) rows of one layout, unexpected keys with expected 0."""
+    cfg, setup, _, colls = compiled_step(name)
+    want, got = expected_bytes(cfg, setup), measured_bytes(colls)
+    return [(axes, cls, want.get((axes, cls), 0.0), got.get((axes, cls), 0))
+            for axes, cls in sorted(set(want) | set(got), key=str)]
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_bytes_per_axis_match_ledger(name):
+    rows = comparison(name)
+    print(f"\n{name}")
+    for axes, cls, want, got in rows:
+        print(f"  {str(axes):12s} {cls:8s} expected {want:>10.0f}  measured {got:>10d}")
+    stray = sum(got for _, _, want, got in rows if want == 0)
+    assert stray <= SCALAR_BYTES, f"collectives the ledger does not explain: {rows}"
+    for axes, cls, want, got in rows:
+        if want:
+            assert got == pytest.approx(want, rel=TOLERANCE), (axes, cls, rows)
+
+
+def test_no_data_parallel_collective_inside_microbatch_loop():
+    _, _, _, colls = compiled_step("data2_fsdp2_tensor2_mb4")
+    assert not hlo.loop_collectives(colls, ("data",))
+    # The loops are there and read: FSDP and TP traffic runs per microbatch and per layer.
+    assert {c.axes for c in hlo.loop_collectives(colls, ("fsdp", "tensor"))} == {
+        ("fsdp",), ("tensor",)}
+    reduced = sum(c.bytes_per_step for c in colls if c.axes == ("data",))
+    reduced_mb1 = sum(c.bytes_per_step for c in compiled_step("data2_fsdp2_tensor2")[3]
+                      if c.axes == ("data",))
+    assert reduced == reduced_mb1  # once per step, however many microbatches
+
+
+def _only_sliced(comps, c: hlo.Collective) -> bool:
+    """Every tuple element of all-reduce `c` is used only through a 1/group slice: the CPU
+    spelling of a reduce-scatter (hlo's `sliced` flag covers single, not combined, ops)."""
+    comp = comps[c.computation]
+    op = comp.by_name[c.op]
+    elements = ([u for u in comp.instrs if op.name in u.operands]
+                if op.shape.startswith("(") else [op])
+    for element in elements:
+        users = [u for u in comp.instrs if element.name in u.operands]
+        if not users:
+            return False
+        for user in users:
+            if hlo.shape_bytes(user.shape) * c.group_size != hlo.shape_bytes(element.shape):
+                return False
+            fused = re.findall(r"calls=%?([\w.\-]+)", user.attrs) if user.opcode == "fusion" else []
+            if user.opcode != "dynamic-slice" and not any(
+                    i.opcode == "dynamic-slice" for f in fused for i in comps[f].instrs):
+                return False
+    return True
+
+
+def _residual_stream_tp_collectives(name):
+    """(kind, sliced) of each in-loop tensor collective that moves residual-stream activations."""
+    cfg, setup, compiled, colls = compiled_step(name)
+    layout = layout_from_config(cfg, setup.mesh.size)
+    sbh = layout.micro_batch * cfg.train.seq_len * cfg.model.hidden_size * WIDTH
+    comps, _ = hlo.parse_module(compiled.as_text())
+    out = []
+    for c in colls:
+        if c.axes == ("tensor",) and c.in_loop and c.bytes % sbh == 0:
+            out.append((c.kind, c.kind == "all-reduce" and _only_sliced(comps, c), c.count))
+    return out, cfg.model.num_layers
+
+
+def test_sequence_parallel_uses_gathers_and_reduce_scatters():
+    found, layers = _residual_stream_tp_collectives("tensor2_sp_fsdp4")
+    assert found
+    plain = [f for f in found if f[0] == "all-reduce" and not f[1]]
+    assert not plain, f"plain all-reduces of the residual stream under SP: {found}"
+    # Per layer: forward 2 all-gathers + 2 reduce-scatters, backward the same and more.
+    assert sum(n for kind, _, n in found if kind == "all-gather") >= 4 * layers
+    assert sum(n for kind, sliced, n in found if sliced) >= 4 * layers
+
+
+def test_tensor_parallel_without_sp_all_reduces():
+    """The check above can fail: without SP the same activations are plainly all-reduced."""
+    found, layers = _residual_stream_tp_collectives("tensor4_data2")
+    assert found and all(kind == "all-reduce" and not sliced for kind, sliced, _ in found)

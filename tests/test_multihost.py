@@ -1,0 +1,89 @@
+"""Two processes × 4 CPU devices train exactly like one process × 8 devices.
+
+The real trainer (`python train.py`) runs as two localhost processes joined by
+`jax.distributed` (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; jax 0.10's
+`initialize()` reads only the address from the environment, so the CLI passes the other two).
+Cross-process collectives on CPU go through gloo, jax's default
+`jax_cpu_collectives_implementation`. Each process feeds only its half of every global batch
+(`data.make_batches(process_index, process_count)` + `make_array_from_process_local_data`),
+and process 0 writes metrics.jsonl.
+"""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600
+# Every mesh axis spans the two processes' devices differently: data across processes, fsdp
+# and tensor inside each (device order: tensor fastest).
+ARGS = ["--config", "configs/tiny.py", "--train.steps=3", "--train.log_every=1",
+        "--train.eval_every=0", "--model.num_layers=2", "--train.seq_len=64",
+        "--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+                        "JAX_PROCESS_ID")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def _launch(workdir: pathlib.Path, env: dict, log: pathlib.Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *ARGS, f"--train.workdir={workdir}"],
+                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait(procs, logs) -> None:
+    """Wait for all; when one fails or time runs out, kill the rest (a process whose peer died
+    would otherwise sit in jax.distributed's shutdown barrier for minutes)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, f"{log.name} exited {p.returncode}:\n{log.read_text()[-4000:]}"
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_two_processes_match_one(tmp_path):
+    one, two = tmp_path / "one_process", tmp_path / "two_processes"
+    logs = [tmp_path / "one.log"]
+    _wait([_launch(one, _env(8), logs[0])], logs)
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    procs = [_launch(two, _env(4, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES="2",
+                               JAX_PROCESS_ID=str(i)), logs[i]) for i in range(2)]
+    _wait(procs, logs)
+
+    run = json.loads((two / "run.json").read_text())
+    assert run["process_count"] == 2 and run["n_devices"] == 8
+    want, got = _losses(one), _losses(two)
+    assert want and sorted(got) == sorted(want)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
+                               rtol=1e-5)
