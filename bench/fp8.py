@@ -84,6 +84,7 @@ def gemm_row(m: int, n: int, k: int, reps: int, cfg: Fp8Config) -> dict:
 
 def model_step(overrides: list[str], reps: int) -> dict:
     from jaxtrain import sharding, step
+    from jaxtrain.remat_sweep import random_batch
     out = {}
     for enabled in (False, True):
         cfg = load_config("configs/tiny.py", [*overrides, f"--fp8.enabled={str(enabled).lower()}",
@@ -92,13 +93,8 @@ def model_step(overrides: list[str], reps: int) -> dict:
         setup = step.build(cfg, mesh)
         state = step.init_train_state(setup, 0)
         train_step = step.make_train_step(setup, donate=False)
+        batch = random_batch(cfg, mesh)
         b, s = cfg.train.global_batch, cfg.train.seq_len
-        rng = np.random.default_rng(0)
-        batch = {"inputs": rng.integers(0, 256, (b, s), dtype=np.int32),
-                 "targets": rng.integers(0, 256, (b, s), dtype=np.int32),
-                 "segment_ids": np.ones((b, s), np.int32),
-                 "positions": np.tile(np.arange(s, dtype=np.int32), (b, 1)),
-                 "loss_mask": np.ones((b, s), np.float32)}
         run = functools.partial(train_step, state)
         seconds = timeit(run, batch, reps=reps)
         label = "fp8" if enabled else "bf16"

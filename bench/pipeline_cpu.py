@@ -14,11 +14,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jaxtrain import hlo, sharding, step  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.pipeline_schedule import build_schedule  # noqa: E402
+from jaxtrain.remat_sweep import random_batch  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
 
@@ -30,13 +30,7 @@ def measure(schedule, v, m, extra):
         f"--parallel.microbatches={m}", f"--train.global_batch={2 * m}", *extra])
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
     train_step = step.make_train_step(setup, donate=False)
-    b, s = cfg.train.global_batch, cfg.train.seq_len
-    rng = np.random.default_rng(0)
-    batch = {"inputs": rng.integers(0, 256, (b, s), dtype=np.int32),
-             "targets": rng.integers(0, 256, (b, s), dtype=np.int32),
-             "segment_ids": np.ones((b, s), np.int32),
-             "positions": np.tile(np.arange(s, dtype=np.int32), (b, 1)),
-             "loss_mask": np.ones((b, s), np.float32)}
+    batch = random_batch(cfg, setup.mesh)
     temp = hlo.memory(train_step.lower(step.abstract_train_state(setup), batch).compile())
     state = step.init_train_state(setup, 0)
     jax.block_until_ready(train_step(state, batch))
