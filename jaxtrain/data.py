@@ -41,8 +41,8 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from jaxtrain.config import ConfigError
+from jaxtrain.ledger.memory import padded_vocab
 
-VOCAB_MULTIPLE = 128
 _STATE_VERSION = 1
 _EVAL_SEED = 0x5EED_E7A1  # eval batches stay the same whatever train.seed is
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
@@ -52,10 +52,6 @@ _SCAN_CHUNK = 1 << 24  # tokens per pass when scanning a token file
 
 class DataError(ConfigError):
     """Data that cannot feed a run; the message says what to change."""
-
-
-def pad_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
-    return -(-n // multiple) * multiple
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -70,7 +66,7 @@ class Tokenizer:
 
     @property
     def padded_vocab_size(self) -> int:
-        return pad_vocab(self.vocab_size)
+        return padded_vocab(self.vocab_size, tensor=1)  # Megatron's rounding, as the model
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -172,7 +168,7 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
         raise DataError(
             f"tokenizer {tokenizer.name} uses {tokenizer.vocab_size} ids but model.vocab_size="
             f"{model_vocab_size}; set model.vocab_size={tokenizer.padded_vocab_size} (its size "
-            f"rounded up to a multiple of {VOCAB_MULTIPLE})")
+            "rounded up to a multiple of 128)")
 
 
 # ----------------------------------------------------------------------------- documents

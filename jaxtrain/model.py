@@ -39,7 +39,7 @@ REMAT_TAGS = ("layer_input", "attn_norm", "qkv_proj", "core_attn", "attn_out", "
               "mlp_in", "mlp_act", "mlp_out")
 
 
-def _identity_constrain(x, names):
+def identity_constrain(x, names):
     del names
     return x
 
@@ -62,7 +62,7 @@ class Ops:
     gives the runner of layers [start, stop) (default: `run_layers` for every range).
     """
     dot_general: DotGeneral = jax.lax.dot_general
-    constrain: Constrain = _identity_constrain
+    constrain: Constrain = identity_constrain
     attention: Callable = attention_lib.xla_attention
     run_layers: Optional[Callable] = None
     fp8: Optional[Fp8Layers] = None

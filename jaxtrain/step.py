@@ -93,7 +93,7 @@ def span_runner(r: RematConfig):
 
 
 def make_ops(cfg: Config, mesh: Mesh | None) -> model_lib.Ops:
-    constrain = model_lib._identity_constrain
+    constrain = model_lib.identity_constrain
     if mesh is not None:
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
                                                 inside_data_vmap=True)

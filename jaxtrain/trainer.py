@@ -120,7 +120,7 @@ def train(cfg: Config, *, log=print) -> dict:
                            peak_is_estimate=throughput.peak_is_estimate, start_step=start)
     profile_stop = cfg.train.profile_start + cfg.train.profile_steps
     last_logged: dict = {}
-    pending = None  # (step, metrics, data_state) of the step dispatched last
+    pending = None  # (step, metrics) of the step dispatched last
     try:
         for step in range(start, cfg.train.steps):
             if cfg.train.profile_steps and step == cfg.train.profile_start and is_main:
@@ -130,7 +130,7 @@ def train(cfg: Config, *, log=print) -> dict:
             data_state = train_batches.get_state()
             if pending is not None:
                 last_logged = _finish(pending, cfg, throughput, writer) or last_logged
-            pending = (step, metrics, data_state)
+            pending = (step, metrics)
             writer.advance()
             if cfg.train.profile_steps and step + 1 == profile_stop and is_main:
                 jax.block_until_ready(state)
@@ -163,7 +163,7 @@ def train(cfg: Config, *, log=print) -> dict:
 
 def _finish(pending, cfg: Config, throughput: Throughput, writer: MetricsWriter) -> dict | None:
     """Check a dispatched step's loss; log it when it is a logging step."""
-    step, metrics, _ = pending
+    step, metrics = pending
     done = step + 1
     loss = float(metrics["loss"])
     if not np.isfinite(loss):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import config, data
+from jaxtrain.ledger.memory import padded_vocab
 
 
 def make_cfg(**overrides):
@@ -71,7 +72,7 @@ def test_byte_tokenizer_round_trip_and_vocab():
     assert len({tok.bos_id, tok.eos_id, tok.pad_id}) == 3
     assert min(tok.bos_id, tok.eos_id, tok.pad_id) >= 256
     assert tok.vocab_size == 259 and tok.padded_vocab_size == 384
-    assert data.pad_vocab(128) == 128 and data.pad_vocab(129) == 256
+    assert padded_vocab(128, 1) == 128 and padded_vocab(129, 1) == 256
     assert [a.tolist() for a in tok.encode_batch(["ab", "é"])] == [[97, 98], [195, 169]]
 
 
