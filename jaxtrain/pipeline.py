@@ -2,7 +2,9 @@
 
 The model is cut into p*v chunks of equal shape; rank r of the `stage` mesh axis owns virtual
 stages g = j*p + r (j < v). Chunk parameters are stacked with leading dims [p, v, ...] and
-sharded over `stage` on dim 0.
+sharded over `stage` on dim 0. Stages may hold different numbers of layers (Megatron's
+decoder-first/last-pipeline-num-layers): chunks are then padded to the largest, and
+`chunk_layers` [p, v] tells chunk_fn how many of its layers are real (it skips the rest).
 
 Mesh axes. `stage` is manual, and so is `data` when the mesh has it: each data replica runs
 the schedule on its rows of every microbatch (dim 1 of the inputs), keeps its own fp32
@@ -29,17 +31,16 @@ Rules that keep the SPMD program correct (found the hard way, see notes/pipeline
 - Values the same on every rank (params, x, aux) are cast to varying over the manual axes once,
   at the top of the body: a vjp w.r.t. an invariant value makes autodiff psum its cotangent,
   which would put a collective into every B step.
-- No branch is taken by some stages only: the chunk, embedding and head may contain
-  collectives over the automatic axes, and those deadlock when half the devices skip them.
-  Every lax.cond predicate is the same on all ranks; each rank selects its own results with
-  jnp.where.
+- No collective over `stage` inside a branch taken by some stages only: it deadlocks. Branches
+  that differ per stage (the head, the embedding's gradient, padded layers) hold only
+  collectives over the automatic axes, whose device groups never span two stages.
 - Idle slots may hold garbage; inputs of idle work are zeroed and results selected with
   jnp.where, never masked by multiplying (0 * NaN is NaN).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ from jaxtrain.pipeline_schedule import Schedule, ScheduleError, StepTable, build
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
            "Schedule", "pipelined_loss", "pipelined_value_and_grad", "gpipe_loss",
-           "stack_stages", "unstack_stages", "manual_axes"]
+           "stack_stages", "unstack_stages", "chunk_layer_counts", "manual_axes"]
 
 STAGE_AXIS = "stage"
 DATA_AXIS = "data"
@@ -67,25 +68,72 @@ class PipelineError(ValueError):
 
 
 # ----------------------------------------------------------------------------- layout helpers
-def stack_stages(layers: Any, stages: int, virtual_stages: int = 1) -> Any:
-    """Leaves [L, ...] -> [p, v, L/(p*v), ...]; layers of virtual stage g = j*p + r go to [r, j]."""
+def chunk_layer_counts(num_layers: int, stages: int, virtual_stages: int = 1,
+                       stage_layers: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Real layers per chunk, [p, v]: each physical stage's layers split evenly over its v chunks.
+
+    stage_layers: layers per physical stage (uneven first/last stages, Megatron's
+    decoder-first/last-pipeline-num-layers); None splits num_layers evenly.
+    """
     p, v = stages, virtual_stages
-
-    def stack(a):
-        if a.shape[0] % (p * v):
-            raise PipelineError(f"{a.shape[0]} layers do not split into stages={p} x "
+    if stage_layers is None:
+        if num_layers % (p * v):
+            raise PipelineError(f"{num_layers} layers do not split into stages={p} x "
                                 f"virtual_stages={v} equal chunks; pick a divisor of the layers")
-        a = a.reshape((v, p, a.shape[0] // (p * v)) + a.shape[1:])
-        return jnp.swapaxes(a, 0, 1)
-    return jax.tree.map(stack, layers)
+        stage_layers = (num_layers // p,) * p
+    counts = tuple(int(c) for c in stage_layers)
+    if len(counts) != p or sum(counts) != num_layers or any(c < 1 or c % v for c in counts):
+        raise PipelineError(f"stage layers {counts} must be {p} positive multiples of "
+                            f"virtual_stages={v} summing to the {num_layers} layers")
+    return np.repeat(np.asarray(counts)[:, None] // v, v, axis=1)
 
 
-def unstack_stages(chunks: Any) -> Any:
-    """Inverse of stack_stages: [p, v, Lc, ...] -> [L, ...]."""
-    def unstack(a):
-        a = jnp.swapaxes(a, 0, 1)
-        return a.reshape((-1,) + a.shape[3:])
-    return jax.tree.map(unstack, chunks)
+def _layer_index(counts_PV: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(natural layer index [p, v, Lc], real mask [p, v, Lc]) with Lc the largest chunk.
+
+    Virtual stage g = j*p + r holds the layers after those of virtual stages 0..g-1."""
+    p, v = counts_PV.shape
+    lc = int(counts_PV.max())
+    start_G = np.concatenate([[0], np.cumsum(counts_PV.T.reshape(-1))])[:-1]  # g = j*p + r
+    start_PV = start_G.reshape(v, p).T
+    index = start_PV[..., None] + np.arange(lc)
+    real = np.arange(lc) < counts_PV[..., None]
+    return np.where(real, index, 0), real
+
+
+def stack_stages(layers: Any, stages: int, virtual_stages: int = 1,
+                 stage_layers: Optional[Sequence[int]] = None) -> Any:
+    """Leaves [L, ...] -> [p, v, Lc, ...]; the layers of virtual stage g = j*p + r go to [r, j].
+
+    With uneven stage_layers every chunk is padded to the largest (Lc); padding rows are zero
+    and the executor skips them (chunk_fn gets the real count)."""
+    p, v = stages, virtual_stages
+    L = jax.tree.leaves(layers)[0].shape[0]
+    counts = chunk_layer_counts(L, p, v, stage_layers)
+    if (counts == counts.flat[0]).all():
+        # equal chunks: a reshape, local to each stage when [L] is sharded over `stage`
+        def stack(a):
+            a = a.reshape((v, p, a.shape[0] // (p * v)) + a.shape[1:])
+            return jnp.swapaxes(a, 0, 1)
+        return jax.tree.map(stack, layers)
+    index, real = _layer_index(counts)
+
+    def gather(a):
+        mask = real.reshape(real.shape + (1,) * (a.ndim - 1))
+        return jnp.where(mask, a[index], jnp.zeros((), a.dtype))
+    return jax.tree.map(gather, layers)
+
+
+def unstack_stages(chunks: Any, stage_layers: Optional[Sequence[int]] = None) -> Any:
+    """Inverse of stack_stages: [p, v, Lc, ...] -> [L, ...] (padding dropped)."""
+    leaf = jax.tree.leaves(chunks)[0]
+    p, v, lc = leaf.shape[:3]
+    counts = chunk_layer_counts(p * v * lc if stage_layers is None else sum(stage_layers), p, v,
+                                stage_layers)
+    index, real = _layer_index(counts)
+    order = np.argsort(index[real], kind="stable")      # real rows sorted by natural layer
+    rows = np.flatnonzero(real.reshape(-1))[order]
+    return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[3:])[rows], chunks)
 
 
 def manual_axes(mesh) -> tuple:
@@ -99,7 +147,8 @@ def _batch_spec(a, data: bool) -> P:
 
 
 # ----------------------------------------------------------------------------- validation
-def _check(schedule: Schedule, mesh, chunk_params, x, aux, chunk_aux, embed_fn) -> None:
+def _check(schedule: Schedule, mesh, chunk_params, x, aux, chunk_aux, embed_fn,
+           chunk_layers=None) -> None:
     if not isinstance(schedule, Schedule):
         raise PipelineError(f"schedule must be a Schedule from build_schedule, got "
                             f"{type(schedule).__name__}")
@@ -115,6 +164,13 @@ def _check(schedule: Schedule, mesh, chunk_params, x, aux, chunk_aux, embed_fn) 
             raise PipelineError(
                 f"chunk param {jax.tree_util.keystr(path)} has shape {a.shape}; it needs leading "
                 f"dims [stages={p}, virtual_stages={v}] (see stack_stages)")
+    if chunk_layers is not None:
+        counts = np.asarray(chunk_layers)
+        lc = jax.tree.leaves(chunk_params)[0].shape[2]
+        if counts.shape != (p, v) or counts.min() < 1 or counts.max() > lc:
+            raise PipelineError(f"chunk_layers must be [stages={p}, virtual_stages={v}] counts "
+                                f"in 1..{lc} (the chunks' padded length), got {counts.tolist()}; "
+                                "see chunk_layer_counts")
     if embed_fn is None and not (isinstance(x, jax.Array) or hasattr(x, "shape")):
         raise PipelineError("without embed_fn the pipeline input x must be one array "
                             "[microbatches, ...] of activations; pass embed_fn for raw inputs")
@@ -180,34 +236,31 @@ def _step_flags(table: StepTable, stages: int, virtual_stages: int, backward: bo
     cols = table.columns
     rank = np.arange(p)[None, :]
     f_last = (cols["f_chunk"] >= 0) & (cols["f_chunk"] * p + rank == num_v - 1)
-    b_last = (cols["b_chunk"] >= 0) & (cols["b_chunk"] * p + rank == num_v - 1)
-    b_first = (cols["b_chunk"] >= 0) & (cols["b_chunk"] * p + rank == 0)
     # in training the last virtual stage's F is done by its B (one vjp for both)
     f_work = (cols["f_chunk"] >= 0) & ~f_last if backward else cols["f_chunk"] >= 0
-    return {"any_f": f_work.any(1),
-            "any_b": (cols["b_chunk"] >= 0).any(1),
-            "any_head": (b_last if backward else f_last).any(1),
-            "any_embed_b": b_first.any(1)}
+    return {"any_f": f_work.any(1), "any_b": (cols["b_chunk"] >= 0).any(1)}
 
 
 def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[EmbedFn],
              chunk_params, head_params, embed_params, x, aux, chunk_aux, *,
-             schedule: Schedule, mesh, backward: bool, fill: float):
+             schedule: Schedule, mesh, backward: bool, fill: float,
+             chunk_layers: Optional[np.ndarray] = None):
     """Run schedule.table (backward) or schedule.forward_table in one shard_map.
 
     Returns (loss, grads, peak_stash[p]); grads = (d_chunk, d_head, d_in) with d_in = d_embed
     (with embed_fn) or d_x, or None without backward. peak_stash counts chunk inputs held per
     rank, measured in the loop.
 
-    Control flow is the same on every rank: a step's F (B, head, embedding gradient) runs on
-    all ranks when any rank has one, and each rank keeps its result only where its table entry
-    says so. The chunk, head and embedding may hold collectives over the automatic axes (TP
-    all-reduces, FSDP all-gathers, resharding permutes), and a collective inside a branch that
-    only some stages take deadlocks. Chunk work costs no lock-step time this way (a step lasts
-    as long as its busiest rank anyway), but the head (the embedding's gradient) runs on every
-    rank in each step where the last (first) virtual stage has a B, and the embedding's
-    forward, a gather, in every step. Inputs of idle ranks are zeroed, so garbage never meets
-    a gradient.
+    Control flow. A step's F (B) runs on all ranks when any rank has one, and each rank keeps
+    its result only where its table entry says so (a step lasts as long as its busiest rank
+    anyway). The head and the embedding's gradient run only on the rank that needs them
+    (predicates that differ per stage), and so do the layers of padded chunks: that is what
+    makes a lighter last (first) stage pay for the head (embedding). This is safe because no
+    collective over `stage` is inside those branches: the collectives they hold (TP
+    all-reduces, FSDP all-gathers) run over automatic axes whose groups lie within one stage,
+    where every device takes the same branch. (A collective over `stage` in such a branch
+    deadlocks; see the module docstring.) The embedding's forward, a gather, runs on every
+    rank in every step. Inputs of idle work are zeroed, so garbage never meets a gradient.
     """
     table: StepTable = schedule.table if backward else schedule.forward_table
     p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
@@ -222,14 +275,18 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
     flags = {k: jnp.asarray(a) for k, a in _step_flags(table, p, v, backward).items()}
     with_caux = chunk_aux is not None
     chunk_aux = () if chunk_aux is None else chunk_aux
+    layers_PV = None if chunk_layers is None else jnp.asarray(chunk_layers, jnp.int32)
 
     def body(cp, hp, ep, x, aux, caux, cols, flags):
         r = lax.axis_index(STAGE_AXIS)
         cp = jax.tree.map(lambda a: a[0], cp)                 # this rank's chunks [v, ...]
         cp, hp, ep, x, aux, caux = _vary((cp, hp, ep, x, aux, caux), manual)
 
-        def call_chunk(pj, x_in, k=0):
-            return chunk_fn(pj, x_in, _take(caux, k)) if with_caux else chunk_fn(pj, x_in)
+        def call_chunk(pj, x_in, k=0, j=0):
+            args = (pj, x_in, _take(caux, k)) if with_caux else (pj, x_in)
+            if layers_PV is None:
+                return chunk_fn(*args)
+            return chunk_fn(*args, layers=layers_PV[r, j])
 
         def embed(ep_, k):
             return embed_fn(ep_, _take(x, k)) if embed_fn is not None else x[k]
@@ -280,12 +337,12 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
             active = j >= 0
             j = jnp.maximum(j, 0)
             x_in = chunk_input(c, active, slot, first_input(k))
-            y = call_chunk(params_of(j), x_in, k)
+            y = call_chunk(params_of(j), x_in, k, j)
             if backward:
                 return c, y
             c = dict(c, held=c["held"] - (active & (slot >= 0)))
             is_last = active & (j * p + r == num_v - 1)
-            loss = lax.cond(row["any_head"], lambda: head_loss(hp, y, k), f32)
+            loss = lax.cond(is_last, lambda: head_loss(hp, y, k), f32)
             c["loss"] = c["loss"] + jnp.where(is_last, loss, 0.0)
             return c, y
 
@@ -297,7 +354,7 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
             g = j * p + r
             is_last, is_first = active & (g == num_v - 1), active & (g == 0)
             x_in = chunk_input(c, active, slot, first_input(k))
-            y, chunk_vjp = jax.vjp(lambda pj, x_: call_chunk(pj, x_, k), params_of(j), x_in)
+            y, chunk_vjp = jax.vjp(lambda pj, x_: call_chunk(pj, x_, k, j), params_of(j), x_in)
 
             def head():
                 loss, head_vjp = jax.vjp(lambda hp_, y_: head_loss(hp_, y_, k), hp, y)
@@ -307,7 +364,7 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
             def no_head():
                 return f32(), jax.tree.map(jnp.zeros_like, hp), jnp.zeros_like(y)
 
-            loss, d_hp, dy_head = lax.cond(row["any_head"], head, no_head)
+            loss, d_hp, dy_head = lax.cond(is_last, head, no_head)
             g_in = c["gstash"][jnp.maximum(gslot, 0)]
             dy = jnp.where(is_last, dy_head,
                            jnp.where(active & (gslot >= 0), g_in, jnp.zeros_like(g_in)))
@@ -321,8 +378,8 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
             if embed_fn is not None:
                 def embed_grad():
                     _, embed_vjp = jax.vjp(lambda e: embed(e, k).astype(act.dtype), ep)
-                    return embed_vjp(jnp.where(is_first, dx, jnp.zeros_like(dx)))[0]
-                d_ep = lax.cond(row["any_embed_b"], embed_grad,
+                    return embed_vjp(dx)[0]
+                d_ep = lax.cond(is_first, embed_grad,
                                 lambda: jax.tree.map(jnp.zeros_like, ep))
                 c["d_ep"] = jax.tree.map(keep(is_first), c["d_ep"], d_ep)
             else:
@@ -386,7 +443,8 @@ def _zero_cotangent(a):
 def pipelined_value_and_grad(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any,
                              head_params: Any, x_MBSD: Any, aux: Any, *, schedule: Schedule,
                              mesh, embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
-                             chunk_aux: Any = None, bubble_fill: float = 0.0):
+                             chunk_aux: Any = None, bubble_fill: float = 0.0,
+                             chunk_layers: Optional[np.ndarray] = None):
     """Run the schedule's forward and backward ops once.
 
     Returns (loss, (d_chunk_params, d_head_params, d_in), stats): loss is the mean of
@@ -394,17 +452,19 @@ def pipelined_value_and_grad(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_
     else d_x; stats = {"peak_stash": int32[p]}, the chunk inputs each rank held at once,
     measured in the loop (<= schedule.stash_slots). See `pipelined_loss` for the arguments.
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn, chunk_layers)
     loss, grads, peak = _execute(chunk_fn, head_loss_fn, embed_fn, chunk_params, head_params,
                                  embed_params, x_MBSD, aux, chunk_aux, schedule=schedule,
-                                 mesh=mesh, backward=True, fill=bubble_fill)
+                                 mesh=mesh, backward=True, fill=bubble_fill,
+                                 chunk_layers=chunk_layers)
     return loss, grads, {"peak_stash": peak}
 
 
 def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any,
                    head_params: Any, x_MBSD: Any, aux: Any, *, schedule: Schedule, mesh,
                    embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
-                   chunk_aux: Any = None, bubble_fill: float = 0.0) -> jax.Array:
+                   chunk_aux: Any = None, bubble_fill: float = 0.0,
+                   chunk_layers: Optional[np.ndarray] = None) -> jax.Array:
     """Mean over microbatches k (and data replicas) of head_loss_fn(head_params, y_k, aux[k]),
     with y_k the chunks applied in order to x_k = x_MBSD[k], or to embed_fn(embed_params,
     x_MBSD[k]) when `embed_fn` is given (x_MBSD is then any pytree of raw inputs, e.g. tokens).
@@ -420,11 +480,13 @@ def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: An
     and chunk_aux get zero cotangents. Called without a grad it runs the forward ops only.
     The functions must not close over values being differentiated; pass them as params.
     `bubble_fill` is what empty buffers and idle sends hold; tests set NaN to show it never
-    reaches a result.
+    reaches a result. `chunk_layers` ([p, v] ints, see chunk_layer_counts): chunks are padded
+    (uneven stages) and chunk_fn is called with keyword `layers`, the real layer count of the
+    chunk it runs (an int32 scalar that differs per rank); it must skip the padding layers.
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn, chunk_layers)
     run = functools.partial(_execute, chunk_fn, head_loss_fn, embed_fn, schedule=schedule,
-                            mesh=mesh, fill=bubble_fill)
+                            mesh=mesh, fill=bubble_fill, chunk_layers=chunk_layers)
     types = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                          (x_MBSD, aux, chunk_aux))
 
@@ -454,14 +516,15 @@ def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: An
 def gpipe_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any, head_params: Any,
                x_MBSD: Any, aux: Any, *, schedule: Schedule, mesh,
                embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
-               chunk_aux: Any = None, bubble_fill: float = 0.0) -> jax.Array:
+               chunk_aux: Any = None, bubble_fill: float = 0.0,
+               chunk_layers: Optional[np.ndarray] = None) -> jax.Array:
     """Same loss as pipelined_loss from the forward ops only; jax.grad differentiates the scan.
 
     The reference for the manual backward and the evaluation path. Under grad its memory is
     GPipe's: autodiff keeps every step's residuals (wrap chunk_fn in jax.checkpoint to keep
     only chunk inputs).
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn, chunk_layers)
     return _execute(chunk_fn, head_loss_fn, embed_fn, chunk_params, head_params, embed_params,
                     x_MBSD, aux, chunk_aux, schedule=schedule, mesh=mesh, backward=False,
-                    fill=bubble_fill)[0]
+                    fill=bubble_fill, chunk_layers=chunk_layers)[0]

@@ -7,9 +7,13 @@ equals the unpipelined step up to float rounding. How the model maps onto the ex
 
 - embedding: inside the first virtual stage (`embed_fn`), so no activation-sized [m, B, S, D]
   input or input-gradient buffer exists and 1F1B's memory does not grow with m;
-- chunks: the blocks split into p*v chunks of L/(p*v) layers (pipeline.stack_stages), each run
-  by the model's layer runner, so remat policies apply per layer inside a chunk (block:N
-  counts the chunk's layers);
+- chunks: the blocks split into p*v chunks (pipeline.stack_stages), each run by the model's
+  layer runner, so remat policies apply per layer inside a chunk (block:N counts the chunk's
+  layers). With parallel.first/last_stage_layers (Megatron's decoder-first/last-pipeline-
+  num-layers) the stages hold different numbers of layers, each split evenly over its v
+  chunks; chunks are padded to the largest and a padding layer is skipped (a lax.cond per
+  layer on the rank's count), so the lighter first/last stage has time for the embedding's
+  gradient/the head, which only their ranks compute;
 - RoPE tables: recomputed per chunk from the microbatch's positions (chunk_aux), with its
   segment ids; cheaper than holding [m, B, S, E] tables;
 - head: final norm + lm_head + summed cross entropy on (targets, loss_mask) as aux.
@@ -33,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtrain import model as model_lib
 from jaxtrain import pipeline as pl
 from jaxtrain import remat, sharding
+from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.pipeline import PipelineError
 
 __all__ = ["PipelineModel", "build", "loss_and_grads", "pipelined_loss_and_grads", "eval_sums",
@@ -74,6 +79,8 @@ class PipelineModel:
     block_apply: Any           # (layer_state, x, cos, sin, segment_ids) -> x
     run_layers: Any            # the remat layer runner, applied to one chunk
     schedule: pl.Schedule
+    stage_layers: tuple        # layers per physical stage
+    chunk_layers: Any          # [p, v] real layers per chunk; None when all chunks are equal
 
     @property
     def mesh(self):
@@ -89,11 +96,21 @@ class PipelineModel:
     def embed_fn(self, embed_params, inputs):
         return self.bind(embed_params).embed_tokens(inputs["inputs"])
 
-    def chunk_fn(self, chunk_state, x_BSD, chunk_aux):
+    def chunk_fn(self, chunk_state, x_BSD, chunk_aux, layers=None):
         cos, sin = model_lib.rope_tables(self.setup.model_cfg, chunk_aux["positions"])
         segment_ids_BS = chunk_aux["segment_ids"]
         block = lambda s, x: self.block_apply(s, x, cos, sin, segment_ids_BS)  # noqa: E731
-        return self.run_layers(block, x_BSD, chunk_state)
+        if layers is None:
+            return self.run_layers(block, x_BSD, chunk_state)
+        # padded chunk: a float flag per layer rides along the scanned state (the remat
+        # runners differentiate every scanned leaf, so no integers)
+        lc = jax.tree.leaves(chunk_state)[0].shape[0]
+        real_L = (jnp.arange(lc) < layers).astype(jnp.float32)
+
+        def maybe_block(s_real, x):
+            s, real = s_real
+            return jax.lax.cond(real > 0, lambda: block(s, x), lambda: x)
+        return self.run_layers(maybe_block, x_BSD, (chunk_state, real_L))
 
     def head_loss_fn(self, head_params, x_BSD, aux):
         logits_BSV = self.bind(head_params).logits(x_BSD)
@@ -103,7 +120,8 @@ class PipelineModel:
         """(chunk states [p, v, Lc, ...], head params, embed params) of the pure-dict params."""
         cfg = self.setup.cfg
         blocks = self.bind({"blocks": params["blocks"]}).block_fn()[1]
-        chunks = pl.stack_stages(blocks, self.schedule.stages, self.schedule.virtual_stages)
+        chunks = pl.stack_stages(blocks, self.schedule.stages, self.schedule.virtual_stages,
+                                 self.stage_layers)
         head = {"final_norm": params["final_norm"]}
         head.update({"embed": params["embed"]} if cfg.model.tie_embeddings
                     else {"lm_head": params["lm_head"]})
@@ -117,7 +135,8 @@ class PipelineModel:
             self.chunk_fn, self.head_loss_fn, chunks, head, {"inputs": mbs["inputs"]},
             {k: mbs[k] for k in HEAD_AUX_KEYS}, schedule=self.schedule, mesh=self.mesh,
             embed_fn=self.embed_fn, embed_params=embed,
-            chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, bubble_fill=bubble_fill)
+            chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, bubble_fill=bubble_fill,
+            chunk_layers=self.chunk_layers)
         return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32))
 
     @property
@@ -134,15 +153,10 @@ def build(setup) -> PipelineModel:
     if getattr(setup, "fp8", None) is not None:
         raise PipelineError("fp8.enabled with parallel.stage > 1: FP8 metas are not threaded "
                             "through the pipeline yet; set fp8.enabled=false or parallel.stage=1")
-    if par.first_stage_layers or par.last_stage_layers:
-        raise PipelineError(
-            f"parallel.first_stage_layers={par.first_stage_layers} / last_stage_layers="
-            f"{par.last_stage_layers}: the pipeline runs equal chunks only; set both to 0")
-    if cfg.model.num_layers % (p * v):
-        raise PipelineError(f"model.num_layers={cfg.model.num_layers} does not split into "
-                            f"stage={p} x virtual_stages={v} equal chunks; change one of them")
+    stage_layers = stage_layer_counts(cfg, p, v)     # LayoutError names a bad split
+    counts = pl.chunk_layer_counts(cfg.model.num_layers, p, v, stage_layers)
     schedule = pl.build_schedule(par.schedule, p, m, v)
-    remat.validate(cfg.remat, cfg.model.num_layers // (p * v))
+    remat.validate(cfg.remat, sorted(set(counts.flat)))
     base = nnx.merge(setup.graphdef, setup.abstract_state)
     ops = dataclasses.replace(base.ops, constrain=_InShardMap(base.ops.constrain))
     abstract = nnx.eval_shape(lambda: model_lib.Llama(setup.model_cfg, rngs=nnx.Rngs(0),
@@ -150,7 +164,8 @@ def build(setup) -> PipelineModel:
     graphdef, abstract_state = nnx.split(abstract)
     block_apply = abstract.block_fn()[0]
     return PipelineModel(setup, graphdef, abstract_state, block_apply,
-                         ops.run_layers or model_lib.scan_layers, schedule)
+                         ops.run_layers or model_lib.scan_layers, schedule, stage_layers,
+                         None if (counts == counts.flat[0]).all() else counts)
 
 
 def split_microbatches(batch: dict, mesh, m: int) -> dict:

@@ -57,10 +57,6 @@ def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
         raise LayoutError("parallel.context > 1: context parallelism is not implemented yet; "
                           "set parallel.context=1")
     if shape["stage"] > 1:
-        p = cfg.parallel
-        if p.first_stage_layers or p.last_stage_layers:
-            raise LayoutError("parallel.first_stage_layers/last_stage_layers: uneven pipeline "
-                              "stages are not supported by the executor yet; set both to 0")
         if cfg.fp8.enabled:
             raise LayoutError("fp8.enabled with parallel.stage > 1: FP8 metas are not threaded "
                               "through the pipeline yet; turn one of them off")

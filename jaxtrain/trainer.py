@@ -48,12 +48,14 @@ def write_run_info(workdir: pathlib.Path, cfg: Config) -> None:
 def pipeline_summary(cfg: Config, stages: int) -> str:
     """The configured schedule's bubble (ledger) and static in-flight bound (simulator)."""
     from jaxtrain.ledger import bubble_fraction
+    from jaxtrain.ledger.layout import stage_layer_counts
     from jaxtrain.pipeline_schedule import build_schedule
     p, v, m = stages, cfg.parallel.virtual_stages, cfg.parallel.microbatches
     schedule = build_schedule(cfg.parallel.schedule, p, m, v)
-    return (f"pipeline: {cfg.parallel.schedule} stages={p} virtual={v} microbatches={m}; bubble "
-            f"(p-1)/(m·v) = {bubble_fraction(p, m, v):.1%}; stashed chunk inputs per rank at "
-            f"most {tuple(schedule.stash_slots)} ({schedule.num_steps} lock-step steps)")
+    return (f"pipeline: {cfg.parallel.schedule} stages={p} virtual={v} microbatches={m}; layers "
+            f"per stage {stage_layer_counts(cfg, p, v)}; bubble (p-1)/(m·v) = "
+            f"{bubble_fraction(p, m, v):.1%}; stashed chunk inputs per rank at most "
+            f"{tuple(schedule.stash_slots)} ({schedule.num_steps} lock-step steps)")
 
 
 def global_batch_array(setup, local_batch: dict) -> dict:

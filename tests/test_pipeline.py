@@ -127,6 +127,53 @@ def test_pipelined_grad_matches_unpipelined(kind, p, v, m):
     assert max_diff(from_pipeline(grads), ref_grads) < TOL
 
 
+def padded_chunk_fn(chunk_params, x_BSD, *, layers):
+    """chunk_fn for padded chunks: layer i runs only when i < layers (a per-rank count)."""
+    def step(h, iw):
+        i, w = iw
+        return lax.cond(i < layers, lambda: layer(h, w), lambda: h), None
+    lc = jax.tree.leaves(chunk_params)[0].shape[0]
+    return lax.scan(step, x_BSD, (jnp.arange(lc), chunk_params))[0]
+
+
+def test_stack_stages_orders_and_pads_uneven_stages():
+    layers = {"w": jnp.arange(8.0)}
+    chunks = pl.stack_stages(layers, 2, 2, stage_layers=(2, 6))["w"]     # chunks (1,1),(3,3)
+    # virtual stages in order g = j*p + r: [0], [1 2 3], [4], [5 6 7]
+    np.testing.assert_array_equal(chunks, [[[0, 0, 0], [4, 0, 0]], [[1, 2, 3], [5, 6, 7]]])
+    np.testing.assert_array_equal(pl.unstack_stages({"w": chunks}, (2, 6))["w"], layers["w"])
+    np.testing.assert_array_equal(pl.chunk_layer_counts(8, 2, 2, (2, 6)), [[1, 1], [3, 3]])
+    even = pl.stack_stages(layers, 2, 2)
+    np.testing.assert_array_equal(pl.unstack_stages(even)["w"], layers["w"])
+    with pytest.raises(pl.PipelineError, match="multiples of virtual_stages=2"):
+        pl.stack_stages(layers, 2, 2, stage_layers=(3, 5))
+
+
+@pytest.mark.parametrize("kind,p,v,stage_layers", [
+    ("1f1b", 4, 1, (1, 3, 3, 1)),
+    ("interleaved_1f1b", 2, 2, (2, 4)),
+])
+def test_uneven_stages_match_unpipelined_and_skip_padding(kind, p, v, stage_layers):
+    m = 4
+    params, raw, labels, ref_loss, ref_grads = reference(sum(stage_layers), m)
+    schedule = pl.build_schedule(kind, p, m, v)
+    counts = pl.chunk_layer_counts(sum(stage_layers), p, v, stage_layers)
+    chunks = pl.stack_stages(params["layers"], p, v, stage_layers)
+    # padding rows hold NaN: a padding layer that ran would poison the loss and the grads
+    real = np.arange(chunks["w1_DF"].shape[2]) < counts[..., None]
+    chunks = jax.tree.map(lambda a: jnp.where(real[..., None, None], a, NAN), chunks)
+
+    def loss_fn(pparams, raw_MBSE, labels_MBS):
+        return pl.pipelined_loss(padded_chunk_fn, head_loss_fn, pparams["layers"],
+                                 pparams["head"], raw_MBSE @ pparams["embed"], labels_MBS,
+                                 schedule=schedule, mesh=stage_mesh(p), bubble_fill=NAN,
+                                 chunk_layers=counts)
+    loss, grads = jit_fast(jax.value_and_grad(loss_fn))(dict(params, layers=chunks), raw, labels)
+    assert abs(float(loss) - float(ref_loss)) < TOL
+    grads = dict(grads, layers=pl.unstack_stages(grads["layers"], stage_layers))
+    assert max_diff(grads, ref_grads) < TOL
+
+
 def test_autodiff_reference_and_forward_only_path_match():
     kind, p, v, m = "interleaved_1f1b", 2, 2, 4
     params, raw, labels, ref_loss, ref_grads = reference(p * v, m)

@@ -25,7 +25,8 @@ TOL = 1e-5
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 # name -> overrides. Together: p in {2, 4}, v in {1, 2}, m in {4, 8}, the three schedules, with
-# data (ZeRO-1), fsdp or tensor (+SP, +data) filling the other devices, full remat in chunks.
+# data (ZeRO-1), fsdp or tensor (+SP, +data) filling the other devices, full remat in chunks,
+# and uneven stages.
 LAYOUTS = {
     "gpipe_p2_m4_data4_zero1": ["--parallel.stage=2", "--parallel.data=-1",
                                 "--parallel.schedule=gpipe", "--parallel.microbatches=4",
@@ -39,6 +40,11 @@ LAYOUTS = {
         "--parallel.data=-1",
         "--parallel.schedule=interleaved_1f1b", "--parallel.virtual_stages=2",
         "--parallel.microbatches=4"],
+    # uneven stages (1 + 3 layers: chunks padded to 3, padding skipped per rank)
+    "1f1b_p2_m4_first1_tensor2_data2_remat": [
+        "--parallel.stage=2", "--parallel.first_stage_layers=1", "--parallel.tensor=2",
+        "--parallel.data=-1", "--parallel.schedule=1f1b", "--parallel.microbatches=4",
+        "--remat.granularity=full", "--remat.method=uniform", "--remat.num_layers=1"],
 }
 
 
@@ -101,6 +107,8 @@ def max_diff(a, b):
 def test_pipelined_step_equals_unpipelined(name):
     _, _, ref_loss, ref_tokens, ref_grads = reference()
     setup, loss, tokens, grads, _ = pipelined(name)
+    if "first1" in name:   # the uneven split really is padded, and the padding skipped
+        assert pipeline_model.build(setup).chunk_layers.tolist() == [[1], [3]]
     assert tokens == ref_tokens
     assert abs(loss - ref_loss) < TOL
     assert max_diff(grads, ref_grads) < TOL

@@ -68,6 +68,8 @@ def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
 
 def test_pipeline_schedule_summary_printed_at_start():
     cfg = tiny_config("--parallel.stage=2", "--parallel.microbatches=4",
-                      "--parallel.schedule=interleaved_1f1b", "--parallel.virtual_stages=2")
+                      "--parallel.schedule=interleaved_1f1b", "--parallel.virtual_stages=2",
+                      "--model.num_layers=6", "--parallel.first_stage_layers=2")
     text = trainer.pipeline_summary(cfg, 2)
     assert "bubble (p-1)/(m·v) = 12.5%" in text and "at most (2, 3)" in text
+    assert "layers per stage (2, 4)" in text
