@@ -15,24 +15,44 @@ layout fits the GPU's memory budget (llama70b on H100s: 1024), and when no count
 fewest it resolves on. The output says which.
 
 Dry-run layout. The configured layout compiles unchanged when the present devices can run it
-(their count resolves it, stage=1, context=1). Otherwise it is scaled to the present devices,
-the model unchanged: stage and context go to 1 (neither is wired into the trainer yet;
-`sharding.validate_layout` refuses them), tensor and fsdp keep the planned degree where it
-divides the present devices (else the largest valid degree below it), data fills the rest, and
-the global batch becomes data x fsdp x the planned micro-batch x microbatches, so each device
-sees the planned per-microbatch shapes. Every change is printed. Dotted overrides apply first,
-so an explicit layout that fits (e.g. --parallel.tensor=4 --parallel.stage=1) compiles as given.
+(their count resolves it and the trainer accepts it). Otherwise it is scaled to the present
+devices, the model unchanged, and every change is printed with its reason:
+- stage keeps the planned degree when it divides the present devices and splits the layers
+  into chunks the config needs (its uneven first/last stages, virtual stages, remat groups);
+  else the largest such divisor below it. virtual_stages, schedule, microbatches and
+  first/last_stage_layers are kept when valid for that stage count: virtual_stages drops to
+  the largest that still splits the layers (schedule 1f1b at 1), microbatches rounds up to a
+  multiple of stage for interleaving, the uneven split is dropped when stage changed or when
+  the trainer refuses it (and the pipeline is dropped, with the reason, if it refuses that);
+- context goes to 1 (not implemented yet);
+- tensor and fsdp keep the planned degree where it divides the n/stage devices of a stage
+  (else the largest valid degree below it), data fills the rest;
+- the global batch becomes data x fsdp x the planned micro-batch x microbatches, so each
+  device sees the planned per-microbatch shapes.
+Dotted overrides apply first, so an explicit layout that fits (e.g. --parallel.tensor=4
+--parallel.stage=1) compiles as given. With stage > 1 the compiled step is the real pipelined
+one (step.loss_and_grads dispatches to pipeline_model: the lock-step shard_map executor).
 
-What is compared, per device (fake CPU devices report memory_analysis() per device):
+What is compared, per device (fake CPU devices report memory_analysis() per device), against
+the ledger's estimate on the compiled layout (its worst pipeline stage):
 - memory: the compiled step's arguments (fp32 master params + Adam m, v, the batch) against the
   ledger's 12 optimizer bytes per parameter; its temporaries (activations, the compute-dtype
   parameter copy, fp32 gradients and accumulators, logits, workspace) against the ledger's
-  bf16 copy + gradients + activations + reserve; the totals.
+  bf16 copy + gradients + activations + reserve; the totals. Pipelined, the ledger counts
+  Megatron's stored activations for the schedule's in-flight microbatches, while the executor
+  stashes only chunk inputs and recomputes a chunk in its backward step: the output also gives
+  the ledger's temporaries with the executor's activations (stash + one chunk's working set).
 - communication: ring wire bytes per mesh axis per step of the compiled collectives (CPU's
-  all-reduce-then-slice counted as the reduce-scatter a GPU emits) against the ledger's TP, DP
-  and FSDP volumes, which use the same convention.
+  all-reduce-then-slice counted as the reduce-scatter a GPU emits) against the ledger's TP, DP,
+  FSDP and PP volumes, which use the same convention. The stage axis is split by kind: the
+  executor's collective-permutes (one activation-sized send right and one cotangent-sized send
+  left per table step, idle steps included) against the ledger's PP bytes and the table's own
+  count; whatever else crosses stage (gradient sums of the replicated embedding and head,
+  parameter resharding) is listed with what it is.
 - FLOPs: the ledger's model FLOPs per device against the compiled matmuls (loops counted by
-  trip count) and XLA's cost_analysis (which counts a scanned layer's body once).
+  trip count) and XLA's cost_analysis (which counts a scanned layer's body once). Pipelined,
+  the lock-step table predicts the compiled count: every table step's F and B (a B recomputes
+  its chunk) and the head, both branches of each conditional counted, as the HLO reader does.
 """
 from __future__ import annotations
 
@@ -44,7 +64,7 @@ import time
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger import Estimate, Gpu, Layout, LayoutError, describe, estimate, get_gpu
 from jaxtrain.ledger.hardware import GB, GiB
-from jaxtrain.ledger.layout import layout_from_config
+from jaxtrain.ledger.layout import layout_from_config, stage_layer_counts
 
 DEGREES = ("tensor", "stage", "data", "fsdp", "context")
 # The CPU backend's LLVM optimisation level changes code speed, not the HLO: buffer sizes,
@@ -177,12 +197,72 @@ def runs_as_is(cfg: Config, n: int) -> bool:
         return False
 
 
+def _uneven_configured(cfg: Config, P: Layout) -> bool:
+    """The config asks for uneven first/last stages (which apply at its own stage degree)."""
+    p = cfg.parallel
+    return bool(p.first_stage_layers or p.last_stage_layers) and p.stage == P.stage
+
+
+def _split_problem(cfg: Config, stage: int, virtual: int, uneven: bool) -> str:
+    """'' when `stage` x `virtual` chunks split the layers as the config needs (its uneven
+    first/last stages when `uneven`, else evenly) into chunks its remat groups fit; else why not."""
+    from jaxtrain import remat
+    trial = copy.deepcopy(cfg)
+    p = trial.parallel
+    p.stage, p.virtual_stages = stage, virtual
+    if not uneven:
+        p.first_stage_layers = p.last_stage_layers = 0
+    try:
+        counts = stage_layer_counts(trial, stage, virtual)
+        remat.validate(cfg.remat, [c // virtual for c in counts])
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+def _pick_stage(cfg: Config, P: Layout, n: int, keep_uneven: bool) -> tuple[int, int, bool]:
+    """(stage, virtual_stages, uneven split kept) on n devices: the planned stage when it divides
+    n and splits the layers, else the largest such divisor of n below it; with the largest
+    virtual_stages <= the planned one that still splits them."""
+    for s in range(min(P.stage, n), 1, -1):
+        if n % s:
+            continue
+        uneven = keep_uneven and s == P.stage and _uneven_configured(cfg, P)
+        for v in range(P.virtual_stages, 0, -1):
+            if not _split_problem(cfg, s, v, uneven):
+                return s, v, uneven
+    return 1, 1, False
+
+
 def scale_to_devices(cfg: Config, planned: Planned, n: int) -> tuple[Config, list[str]]:
     """The config the dry run compiles on n devices and the changes made (module docstring)."""
     if runs_as_is(cfg, n):
         return cfg, []
     if planned.layout is None:
         raise LayoutError(f"cannot scale the configured layout to {n} devices: {planned.error}")
+    from jaxtrain import sharding
+    uneven_refused = pipeline_refused = ""
+    while True:
+        out, changes = _scaled(cfg, planned, n, uneven_refused, pipeline_refused)
+        try:
+            out.validate()
+            sharding.validate_layout(out, n)
+            return out, changes
+        except ConfigError as err:
+            # The trainer refuses what the ledger accepts (once: uneven stages, FP8 with
+            # stages): drop the uneven split first, then the pipeline, and say why.
+            p = out.parallel
+            if p.stage > 1 and (p.first_stage_layers or p.last_stage_layers) \
+                    and not uneven_refused:
+                uneven_refused = str(err)
+            elif p.stage > 1 and not pipeline_refused:
+                pipeline_refused = str(err)
+            else:
+                raise
+
+
+def _scaled(cfg: Config, planned: Planned, n: int, uneven_refused: str,
+            pipeline_refused: str) -> tuple[Config, list[str]]:
     P = planned.layout
     out = copy.deepcopy(cfg)
     changes = []
@@ -195,33 +275,141 @@ def scale_to_devices(cfg: Config, planned: Planned, n: int) -> tuple[Config, lis
             changes.append(f"{key} {old} -> {new}" + (f" ({why})" if why else ""))
 
     layers, per_stage = cfg.model.num_layers, max(planned.estimate.stage_layers)
-    if P.stage > 1:
-        change("parallel.stage", 1, "the dry run compiles without pipeline stages (not wired "
-               f"into the dry run yet), so every device holds all {layers} layers where the plan holds {per_stage}: "
-               f"static memory and the layer collectives grow {layers / per_stage:.3g}x")
-        change("parallel.virtual_stages", 1)
-        change("parallel.schedule", "1f1b")
-        change("parallel.first_stage_layers", 0)
-        change("parallel.last_stage_layers", 0)
+    uneven_cfg = _uneven_configured(cfg, P)
+    s, v, uneven = ((1, 1, False) if pipeline_refused else
+                    _pick_stage(cfg, P, n, keep_uneven=not uneven_refused))
+    if s == P.stage:
+        change("parallel.stage", s)
     else:
-        change("parallel.stage", 1)
+        if pipeline_refused:
+            why = f"the trainer refuses the pipelined layout: {pipeline_refused}"
+        elif n % P.stage:
+            why = f"stage={P.stage} does not divide the {n} present devices"
+        else:
+            why = f"stage={P.stage} does not split the layers: " + _split_problem(
+                cfg, P.stage, 1, uneven_cfg and not uneven_refused)
+        if s > 1:
+            why += f"; {s} is the largest degree below it that divides {n} and splits them"
+        held = layers // s  # a reduced stage splits evenly
+        change("parallel.stage", s, f"{why}; each device holds {held} of the {layers} layers "
+               f"where the plan holds {per_stage}: static memory and the layer collectives grow "
+               f"{held / per_stage:.3g}x")
+    if v != P.virtual_stages:
+        change("parallel.virtual_stages", v, "no pipeline" if s == 1 else (
+            f"{P.virtual_stages} do not split the layers over stage={s}: "
+            + _split_problem(cfg, s, P.virtual_stages, uneven)))
+    if v == 1 < P.virtual_stages and out.parallel.schedule == "interleaved_1f1b":
+        change("parallel.schedule", "1f1b", "one chunk per rank")
+    m = P.microbatches
+    if v > 1 and m % s:
+        m = -(-m // s) * s
+        change("parallel.microbatches", m, f"interleaved 1F1B needs a multiple of stage={s}")
+    else:
+        change("parallel.microbatches", m)
+    if (cfg.parallel.first_stage_layers or cfg.parallel.last_stage_layers) and not uneven:
+        why = (f"the trainer refuses it: {uneven_refused}" if uneven_refused and s == P.stage
+               else "no pipeline" if s == 1 else f"the uneven split is for stage={P.stage}")
+        change("parallel.first_stage_layers", 0, why)
+        change("parallel.last_stage_layers", 0)
     change("parallel.context", 1, "context parallelism is not implemented yet")
-    t = max(d for d in range(1, P.tensor + 1) if _tensor_ok(cfg, d, n))
+    per = n // s  # the devices of one pipeline stage
+    t = max(d for d in range(1, P.tensor + 1) if _tensor_ok(cfg, d, per))
     change("parallel.tensor", t, "" if t == P.tensor else f"the largest degree <= {P.tensor} "
-           f"that divides {n} devices and the heads")
+           f"that divides the {_devices(per)}{' of a stage' if s > 1 else ''} and the heads")
     if t == 1:
         change("parallel.sequence_parallel", False)
-    f = max(d for d in range(1, P.fsdp + 1) if (n // t) % d == 0)
+    f = max(d for d in range(1, P.fsdp + 1) if (per // t) % d == 0)
     change("parallel.fsdp", f)
-    change("parallel.data", n // (t * f), f"fills the {n} present devices")
-    change("parallel.microbatches", P.microbatches)
-    change("train.global_batch", (n // (t * f)) * f * P.micro_batch * P.microbatches,
-           f"keeps the planned micro_batch={P.micro_batch} x {P.microbatches} microbatches per "
-           "data rank, so per-device activations match the plan")
-    out.validate()
-    from jaxtrain import sharding
-    sharding.validate_layout(out, n)
+    data = per // (t * f)
+    change("parallel.data", data, f"fills the {n} present devices")
+    change("train.global_batch", data * f * P.micro_batch * m,
+           f"keeps the planned micro_batch={P.micro_batch} x {m} microbatches per data rank, "
+           "so per-device activations match the plan")
     return out, changes
+
+
+# ----------------------------------------------------------------------------- the pipeline
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineTable:
+    """What the lock-step executor runs per train step for a layout, from its schedule's table
+    (per device: every rank advances one table step at a time)."""
+    schedule: str
+    stages: int
+    virtual_stages: int
+    microbatches: int
+    steps: int               # table steps, idle ones included
+    f_steps: int             # steps in which some rank runs an F
+    b_steps: int             # steps in which some rank runs a B (recompute + backward)
+    head_steps: int          # steps in which the last virtual stage runs its B (the head)
+    stash_slots: int         # chunk inputs the busiest rank holds at once
+    grad_slots: int          # cotangents waiting on the busiest rank
+    chunk_layers: int        # layers of the largest chunk (smaller ones are padded to it)
+    activation_bytes: float  # one microbatch's chunk input on one device: what one send moves
+
+    @property
+    def send_bytes(self) -> float:
+        """Wire bytes per device per step of the executor's collective-permutes: every table
+        step sends one activation right and one cotangent left, idle steps included."""
+        return 2 * self.steps * self.activation_bytes
+
+    def activations(self, cfg: Config, layout: Layout, flash: bool) -> tuple[float, float]:
+        """(stash bytes, one chunk's stored activations): the executor keeps only chunk inputs
+        (and waiting cotangents, and the two receive buffers) between a chunk's F and B, and
+        recomputes the chunk in its B, so at most one chunk's activations live at once."""
+        from jaxtrain.ledger import memory
+        stash = (self.stash_slots + self.grad_slots + 2) * self.activation_bytes
+        chunk = memory.stage_activations(cfg, layout, cfg.remat, flash, cfg.train.seq_len,
+                                         self.chunk_layers, self.chunk_layers).total
+        return stash, chunk
+
+    def matmul_flops(self, cfg: Config, layout: Layout) -> tuple[float, float]:
+        """(as the HLO reader counts them, as executed) per device per step.
+
+        Every step holds a conditional F (one chunk forward) and a conditional B (the chunk's
+        forward again, its backward at twice that, and the head's forward and backward); the
+        HLO reader counts every branch in every step. Executed: F in f_steps, B in b_steps,
+        the head in head_steps."""
+        from jaxtrain.ledger import memory
+        m, t, seq = cfg.model, layout.tensor, cfg.train.seq_len
+        tokens = layout.micro_batch * seq / layout.context
+        layer = 2 * memory.layer_params_local(cfg, t) \
+            + 4 * m.num_heads * m.resolved_head_dim * seq / t
+        chunk = tokens * self.chunk_layers * layer
+        head = tokens * 2 * m.hidden_size * memory.padded_vocab(m.vocab_size, t) / t
+        counted = self.steps * (4 * chunk + 3 * head)
+        executed = self.f_steps * chunk + self.b_steps * 3 * chunk + self.head_steps * 3 * head
+        return counted, executed
+
+
+def _human_bytes(x: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if x >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def pipeline_table(cfg: Config, layout: Layout) -> PipelineTable | None:
+    """The executor's table for a layout; None without pipeline stages."""
+    if layout.stage == 1:
+        return None
+    from jaxtrain.pipeline_schedule import build_schedule
+    p, v, m = layout.stage, layout.virtual_stages, layout.microbatches
+    table = build_schedule(layout.schedule, p, m, v).table
+    cols = table.columns
+    act = (layout.micro_batch * cfg.train.seq_len / layout.context * cfg.model.hidden_size
+           * _DTYPE_BYTES[cfg.model.compute_dtype]
+           / (layout.tensor if layout.sequence_parallel else 1))
+    return PipelineTable(
+        schedule=layout.schedule, stages=p, virtual_stages=v, microbatches=m,
+        steps=table.num_steps, f_steps=int((cols["f_chunk"] >= 0).any(1).sum()),
+        b_steps=int((cols["b_chunk"] >= 0).any(1).sum()),
+        head_steps=int((cols["b_chunk"][:, p - 1] == v - 1).sum()),
+        stash_slots=max(table.stash_slots), grad_slots=max(table.grad_slots),
+        chunk_layers=max(stage_layer_counts(cfg, p, v)) // v, activation_bytes=act)
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -241,6 +429,7 @@ class DryRun:
     lower_s: float
     compile_s: float
     device_kind: str
+    pipeline: PipelineTable | None = None   # the executor's table when stage > 1
 
     @property
     def n_devices(self) -> int:
@@ -253,6 +442,34 @@ class DryRun:
             + e.reserve_bytes
         return {"state": s["optimizer"], "temp": temps, "total": e.total_bytes}
 
+    def executor_temp(self) -> float | None:
+        """The ledger's temporaries with the pipeline executor's activations in place of
+        Megatron's stored ones; None without pipeline stages."""
+        if self.pipeline is None:
+            return None
+        stash, chunk = self.pipeline.activations(self.cfg, self.estimate.layout,
+                                                 self.estimate.flash)
+        return self.ledger_memory()["temp"] - self.estimate.activation_bytes + stash + chunk
+
+    def lockstep_layer_factor(self) -> float:
+        """Compiled over ledger layer traffic (TP, FSDP) from lock-step alone: the HLO counts a
+        chunk's collectives 3 times a table step (F, recomputed F, backward), the ledger twice
+        per (microbatch, virtual stage). 1 without pipeline stages."""
+        t = self.pipeline
+        if t is None:
+            return 1.0
+        return 3 * t.steps / (2 * t.microbatches * t.virtual_stages)
+
+    def replicated_head_bytes(self) -> float:
+        """fp32 master + Adam bytes of the vocab table the ledger's worst stage does not hold:
+        the executor keeps the embedding and the head on every stage rank."""
+        from jaxtrain.ledger import memory
+        L, m = self.estimate.layout, self.cfg.model
+        if L.stage == 1 or m.tie_embeddings:
+            return 0.0
+        table = memory.padded_vocab(m.vocab_size, L.tensor) * m.hidden_size / L.tensor
+        return table * memory.held_bytes_per_param(L)["optimizer"]
+
     def comm_by_axes(self) -> dict[tuple, tuple[float | None, float | None]]:
         """axes -> (ledger bytes, compiled wire bytes) per device per step."""
         from jaxtrain import hlo
@@ -260,14 +477,57 @@ class DryRun:
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
             compiled[axes] = compiled.get(axes, 0.0) + b
         c = self.estimate.comm_bytes
-        ledger = {("tensor",): c["tp"], ("data",): c["dp"], ("fsdp",): c["fsdp"]}
+        ledger = {("tensor",): c["tp"], ("data",): c["dp"], ("fsdp",): c["fsdp"],
+                  ("stage",): c["pp"]}
         keys = [k for k in ledger if ledger[k] or k in compiled]
         keys += sorted((k for k in compiled if k not in ledger), key=str)
         return {k: (ledger.get(k), compiled.get(k)) for k in keys}
 
+    def stage_comm(self) -> dict[tuple[str, bool], list]:
+        """(kind, in the schedule loop) -> [wire bytes per step, runs per step, payload of one
+        run, its HLO shape, payload per step] of the compiled collectives over `stage` alone."""
+        out: dict = {}
+        for c in self.collectives:
+            if c.axes == ("stage",):
+                row = out.setdefault((c.kind, c.in_loop), [0.0, 0, c.bytes, c.shape, 0])
+                row[0] += c.wire_bytes_per_step
+                row[1] += c.count
+                row[4] += c.bytes_per_step
+        return out
+
+    def _format_stage_comm(self, gb, unit: str, scale: float) -> list[str]:
+        t, L = self.pipeline, self.estimate.layout
+        mib = _human_bytes
+        out, sends = [], 2 * L.microbatches * L.virtual_stages
+        for (kind, in_loop), row in sorted(self.stage_comm().items()):
+            wire, runs, payload, shape, payload_total = row
+            if kind == "collective-permute" and in_loop:
+                what = (f"{runs} runs x {mib(payload)}: activations right, cotangents left; "
+                        f"the table: {t.steps} steps x 2 x {mib(t.activation_bytes)} = "
+                        f"{t.send_bytes / scale:.3f} {unit}")
+                if shape.startswith("f32") and self.cfg.model.compute_dtype != "float32":
+                    what += (f" in {self.cfg.model.compute_dtype} (XLA:CPU carries them as f32, "
+                             "2x)")
+            elif in_loop:
+                what = f"{runs} runs inside the schedule loop"
+            else:
+                what = (f"outside the schedule loop: {runs} op(s), {mib(payload_total)} in all; "
+                        + ("e.g. the loss and the gradients of what every stage holds "
+                           "(embedding, head, final norm)" if kind == "all-reduce" else
+                           "e.g. layers moved between their stored order and the chunks' "
+                           "(parameters in, gradients out)"))
+            out.append(f"    {kind:20}  {'':>10}  {gb(wire):>10}   {what}")
+        out.append(
+            f"  the lock-step executor sends one activation-sized ppermute right and one left in "
+            f"each of its {t.steps} table steps, idle ones included; the ledger's PP counts "
+            f"2 x {L.microbatches} microbatches x {L.virtual_stages} virtual stage(s) = "
+            f"{sends} sends of {mib(self.estimate.comm_bytes['pp'] / sends)} (s.b.h x 2 bytes "
+            "/ tensor)")
+        return out
+
     def format(self) -> str:
         from jaxtrain import hlo
-        e, L, mem = self.estimate, self.estimate.layout, self.memory
+        e, L, mem, pt = self.estimate, self.estimate.layout, self.memory, self.pipeline
         out = [format_planned(self.planned, self.config_name), ""]
         head = (f"dry run on {self.n_devices} x {self.device_kind}: {L.short()}, global_batch "
                 f"{self.cfg.train.global_batch}, seq {self.cfg.train.seq_len}")
@@ -277,42 +537,78 @@ class DryRun:
             out += [f"    {c}" for c in self.changes]
         else:
             out.append("  the configured layout, unchanged")
-        out.append("  stage=1: pipeline stages are not wired into the dry run yet, so it always "
-                   "compiles stage=1")
+        if pt is not None:
+            out.append(
+                f"  pipelined: {pt.schedule}, {pt.stages} stages x {pt.virtual_stages} virtual "
+                f"stages of {pt.chunk_layers} layers, {pt.microbatches} microbatches; lock-step "
+                f"table of {pt.steps} steps (F in {pt.f_steps}, B in {pt.b_steps}); ledger "
+                f"bubble {e.bubble:.1%}")
         out.append(f"  lowered in {self.lower_s:.1f} s, compiled in {self.compile_s:.1f} s from "
                    "abstract parameters: nothing allocated")
         lm = self.ledger_memory()
         big = max([v for v in (*lm.values(), *mem.values()) if v] or [0])
         unit, scale = ("GiB", GiB) if big >= GiB else ("MiB", 2 ** 20)
         out += ["", f"memory per device, {unit}   ledger ({e.gpu.name} formulas, remat {e.remat}, "
-                f"{'flash' if e.flash else 'XLA attention: s x s scores'})   vs   compiled "
-                "(memory_analysis)"]
+                f"{'flash' if e.flash else 'XLA attention: s x s scores'}"
+                + (f", worst stage {e.worst_stage}" if L.stage > 1 else "")
+                + ")   vs   compiled (memory_analysis)"]
         gib = lambda x: "n/a" if x is None else f"{x / scale:10.2f}"  # noqa: E731
         rows = [
             ("state: fp32 master + Adam m, v", lm["state"], mem["argument_bytes"],
              "arguments (state + batch)"),
             ("bf16 params + grads + activations + reserve", lm["temp"], mem["temp_bytes"],
              "temporaries"),
-            ("total", lm["total"], mem["total_bytes"], "arguments + outputs + temp - donated"),
         ]
+        if pt is not None:
+            stash, chunk = pt.activations(self.cfg, L, e.flash)
+            rows.append(("  the same, the executor's activations", self.executor_temp(), None,
+                         f"stash {stash / scale:.2f} + one {pt.chunk_layers}-layer chunk "
+                         f"{chunk / scale:.2f} for the ledger's {e.inflight_layer_microbatches:g} "
+                         f"layer-microbatches {e.activation_bytes / scale:.2f}"))
+        rows.append(("total", lm["total"], mem["total_bytes"],
+                     "arguments + outputs + temp - donated"))
         w = max(len(r[0]) for r in rows)
         out.append(f"  {'':{w}}  {'ledger':>10}  {'compiled':>10}")
-        out += [f"  {a:{w}}  {gib(b)}  {gib(c)}   {d}" for a, b, c, d in rows]
+        out += [f"  {a:{w}}  {gib(b)}  {gib(c) if c is not None or d != rows[-2][3] else '':>10}"
+                f"   {d}" for a, b, c, d in rows]
         out.append(f"  ledger terms ({unit}): static {e.static_bytes / scale:.2f} (" + ", ".join(
             f"{k} {v / scale:.2f}" for k, v in e.static_breakdown.items() if v)
             + f"; {e.bytes_per_param:.1f} B/param), activations "
             f"{e.activation_bytes / scale:.2f}, reserve {e.reserve_bytes / scale:.2f} (logits + "
             f"workspace); {e.reason}")
-        out += ["", "communication per device per step, GB (ring wire bytes)"]
+        if pt is not None:
+            out.append(
+                f"  pipelined: the executor stashes only chunk inputs ({pt.stash_slots} on the "
+                f"busiest rank, with {pt.grad_slots} waiting cotangent(s) and 2 receive buffers, "
+                f"{_human_bytes(pt.activation_bytes)} each) and recomputes a chunk in its B, "
+                "where the ledger stores every layer's activations for the schedule's in-flight "
+                "microbatches (Megatron without recompute). Every stage rank holds the embedding "
+                f"and the head (replicated over stage): {self.replicated_head_bytes() / scale:.2f}"
+                f" {unit} of state more than the ledger's worst stage, which holds one of them")
         comm = self.comm_by_axes()
+        big = max([v for pair in comm.values() for v in pair if v] or [0])
+        unit, scale = next((u, f) for u, f in (("GB", GB), ("MB", 1e6), ("kB", 1e3), ("B", 1))
+                           if big >= 0.1 * f or f == 1)
+        out += ["", f"communication per device per step, {unit} (ring wire bytes)"]
         label = lambda a: "?" if a is None else (",".join(a) or "-")  # noqa: E731
-        gb = lambda x: "-" if x is None else f"{x / GB:10.3f}"  # noqa: E731
-        kinds = {("tensor",): "TP", ("data",): "DP", ("fsdp",): "FSDP"}
-        out.append(f"  {'axes':14}  {'ledger':>10}  {'compiled':>10}")
-        out += [f"  {label(a):14}  {gb(lg):>10}  {gb(cp):>10}   {kinds.get(a, '')}"
-                for a, (lg, cp) in comm.items()]
+        gb = lambda x: "-" if x is None else f"{x / scale:10.3f}"  # noqa: E731
+        kinds = {("tensor",): "TP", ("data",): "DP", ("fsdp",): "FSDP", ("stage",): "PP",
+                 ("stage", "data"): "gradients of the stage-replicated embedding and head "
+                 "summed over stage and data",
+                 (): "1-device groups: no traffic"}
+        out.append(f"  {'axes':22}  {'ledger':>10}  {'compiled':>10}")
+        for a, (lg, cp) in comm.items():
+            out.append(f"  {label(a):22}  {gb(lg):>10}  {gb(cp):>10}   {kinds.get(a, '')}")
+            if a == ("stage",) and pt is not None:
+                out += self._format_stage_comm(gb, unit, scale)
         if not comm:
             out.append("  none (a single device, or nothing sharded)")
+        if pt is not None:
+            out.append(
+                f"  pipelined: a chunk's TP/FSDP collectives are counted in each of the {pt.steps}"
+                " steps' F and B (B with its recomputed forward), 3 chunk passes a step: "
+                f"{self.lockstep_layer_factor():.3g}x the ledger's 2 x {L.microbatches} "
+                f"microbatches x {L.virtual_stages} virtual stages")
         out += ["", "compiled collectives (CPU all-reduce-then-slice counted as reduce-scatter):",
                 hlo.format_summary(self.collectives) if self.collectives else "  none", ""]
         per_dev = e.model_flops_per_step / self.n_devices
@@ -321,13 +617,22 @@ class DryRun:
                    f"{e.hfu_flops_per_step / self.n_devices:.4g}); compiled matmuls "
                    f"{self.matmul_flops:.4g}; XLA cost_analysis {xla} (counts each scanned "
                    "loop body once)")
+        if pt is not None:
+            counted, executed = pt.matmul_flops(self.cfg, L)
+            out.append(
+                f"  pipelined: the table predicts {counted:.4g} compiled matmuls ({pt.steps} "
+                f"steps x (F + B with its recomputed F of a {pt.chunk_layers}-layer chunk + the "
+                "head's forward and backward): the HLO reader counts both branches of each "
+                f"conditional in every step); executed {executed:.4g} (F in {pt.f_steps} steps, "
+                f"B in {pt.b_steps}, the head in {pt.head_steps})")
         return "\n".join(out)
 
 
 def dry_run(cfg: Config, gpu: str | Gpu = "h100", *, devices: int | None = None,
             config_name: str = "the config", echo=None) -> DryRun:
-    """Scale the layout to the present devices, compile the train step from abstract state and
-    read what XLA reports; `echo` (e.g. print) hears progress before the long compile."""
+    """Scale the layout to the present devices, compile the train step (pipelined when stage >
+    1) from abstract state and read what XLA reports; `echo` (e.g. print) hears progress
+    before the long compile."""
     import jax
 
     from jaxtrain import attention, hlo, remat_sweep, sharding, step
@@ -354,8 +659,10 @@ def dry_run(cfg: Config, gpu: str | Gpu = "h100", *, devices: int | None = None,
     except hlo.HloAnalysisUnavailable:
         xla_flops = None
     flash = attention.select(scaled.model) is not attention.xla_attention
-    est = estimate(scaled, layout_from_config(scaled, len(present)), gpu, flash=flash)
+    layout = layout_from_config(scaled, len(present))
+    est = estimate(scaled, layout, gpu, flash=flash)
     return DryRun(config_name=config_name, cfg=scaled, planned=planned, changes=changes,
                   estimate=est, memory=hlo.memory(compiled), collectives=colls,
                   matmul_flops=hlo.matmul_flops_from_text(text), xla_flops=xla_flops,
-                  lower_s=t1 - t0, compile_s=t2 - t1, device_kind=present[0].device_kind)
+                  lower_s=t1 - t0, compile_s=t2 - t1, device_kind=present[0].device_kind,
+                  pipeline=pipeline_table(scaled, layout))

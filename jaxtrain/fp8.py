@@ -215,22 +215,39 @@ def _fp8_fwd(st: _Static, lhs, rhs, meta: Fp8Meta):
     qx, qw = quantize(lhs, sx, r.fwd_dtype), quantize(rhs, sw, r.fwd_dtype)
     out = jax.lax.dot_general(qx, qw, st.dimension_numbers, preferred_element_type=jnp.float32)
     out = (out * (inv_x * inv_w)).astype(st.out_dtype)
-    res = (qx, qw, inv_x, inv_w, meta.g, amax_x, amax_w)
+    res = (qx, qw, inv_x, inv_w, meta, amax_x, amax_w)
     return out, res
 
 
 def _fp8_bwd(st: _Static, res, g):
     r = st.recipe
-    qx, qw, inv_x, inv_w, g_meta, amax_x, amax_w = res
+    qx, qw, inv_x, inv_w, meta, amax_x, amax_w = res
     amax_g = _amax(g)
-    sg, inv_g = _step_scale(r, amax_g, g_meta, r.bwd_dtype)
+    sg, inv_g = _step_scale(r, amax_g, meta.g, r.bwd_dtype)
     qg = quantize(g, sg, r.bwd_dtype)
     dx = _transpose_lhs(qg, qw, qx.ndim, st.dimension_numbers) * (inv_g * inv_w)
     dw = _transpose_rhs(qg, qx, qw.ndim, st.dimension_numbers) * (inv_g * inv_x)
-    length = g_meta.amax_history.shape[-1]
+    length = meta.g.amax_history.shape[-1]
     meta_ct = Fp8Meta(_observation(amax_x, length), _observation(amax_w, length),
                       _observation(amax_g, length))
+    meta_ct = jax.tree.map(_match_manual_axes, meta_ct, meta)
     return dx.astype(st.lhs_dtype), dw.astype(st.rhs_dtype), meta_ct
+
+
+def _varying(a) -> frozenset:
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def _match_manual_axes(ct, primal):
+    """Inside shard_map a cotangent must vary over the manual axes its primal varies over: an
+    observation is max-reduced over axes only it varies over (TE's amax all-reduce; one count
+    per observation, so the max keeps the encoding) and marked varying over the others."""
+    extra, missing = _varying(ct) - _varying(primal), _varying(primal) - _varying(ct)
+    if extra:
+        ct = jax.lax.pmax(ct, tuple(extra))
+    return jax.lax.pcast(ct, tuple(missing), to="varying") if missing else ct
 
 
 _fp8_dot = jax.custom_vjp(lambda st, lhs, rhs, meta: _fp8_fwd(st, lhs, rhs, meta)[0],
@@ -346,6 +363,28 @@ def combine_meta_grads(a: Any, b: Any) -> Any:
     def per_meta(ma, mb):
         return Fp8Meta(combine(ma.x, mb.x), combine(ma.w, mb.w), combine(ma.g, mb.g))
     return jax.tree.map(per_meta, a, b, is_leaf=is_fp8_meta)
+
+
+def add_grads(acc: Any, d: Any) -> Any:
+    """acc + d for gradients; FP8 meta cotangents (amax observations) max-combine instead."""
+    return jax.tree.map(lambda a, b: combine_meta_grads(a, b) if is_fp8_meta(a)
+                        else a + b.astype(a.dtype), acc, d, is_leaf=is_fp8_meta)
+
+
+def all_reduce_grads(tree: Any, axis_name: str) -> Any:
+    """psum of gradients over a manual mesh axis; FP8 meta cotangents take the max over it
+    (TE's amax all-reduce). For use inside shard_map."""
+    def role(r: TensorMeta) -> TensorMeta:
+        amax, used = _decode(r)
+        amax = jax.lax.pmax(jnp.where(used, amax, 0.0), axis_name)
+        used = jax.lax.pmax(used.astype(jnp.float32), axis_name) > 0
+        return _encode(amax, used, r.amax_history.shape[-1])
+
+    def reduce(x):
+        if is_fp8_meta(x):
+            return Fp8Meta(role(x.x), role(x.w), role(x.g))
+        return jax.lax.psum(x, axis_name)
+    return jax.tree.map(reduce, tree, is_leaf=is_fp8_meta)
 
 
 def _broadcast_impl(n, meta):

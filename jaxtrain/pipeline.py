@@ -3,8 +3,9 @@
 The model is cut into p*v chunks of equal shape; rank r of the `stage` mesh axis owns virtual
 stages g = j*p + r (j < v). Chunk parameters are stacked with leading dims [p, v, ...] and
 sharded over `stage` on dim 0. Stages may hold different numbers of layers (Megatron's
-decoder-first/last-pipeline-num-layers): chunks are then padded to the largest, and
-`chunk_layers` [p, v] tells chunk_fn how many of its layers are real (it skips the rest).
+decoder-first/last-pipeline-num-layers): stack_stages then pads every chunk to the largest
+with zero rows, and chunk_fn must skip them (e.g. by a per-layer flag stacked with the
+layers, zero in the padding).
 
 Mesh axes. `stage` is manual, and so is `data` when the mesh has it: each data replica runs
 the schedule on its rows of every microbatch (dim 1 of the inputs), keeps its own fp32
@@ -40,7 +41,7 @@ Rules that keep the SPMD program correct (found the hard way, see notes/pipeline
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,8 @@ from jaxtrain.pipeline_schedule import Schedule, ScheduleError, StepTable, build
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
            "Schedule", "pipelined_loss", "pipelined_value_and_grad", "gpipe_loss",
-           "stack_stages", "unstack_stages", "chunk_layer_counts", "manual_axes"]
+           "stack_stages", "unstack_stages", "chunk_layer_counts", "manual_axes", "GradCombine",
+           "SUM"]
 
 STAGE_AXIS = "stage"
 DATA_AXIS = "data"
@@ -65,6 +67,18 @@ EmbedFn = Callable[[Any, Any], jax.Array]                   # (embed params, inp
 
 class PipelineError(ValueError):
     """Inputs that do not fit the pipeline; the message says what to change."""
+
+
+class GradCombine(NamedTuple):
+    """How chunk-parameter cotangents add up: over a rank's B ops (`add(acc, d) -> acc`) and,
+    once after the loop, over data replicas (`all_reduce(acc, axis_name) -> acc`)."""
+    add: Callable[[Any, Any], Any]
+    all_reduce: Callable[[Any, str], Any]
+
+
+SUM = GradCombine(
+    add=lambda acc, d: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d),
+    all_reduce=lambda acc, axis: jax.tree.map(lambda a: lax.psum(a, axis), acc))
 
 
 # ----------------------------------------------------------------------------- layout helpers
@@ -137,8 +151,9 @@ def unstack_stages(chunks: Any, stage_layers: Optional[Sequence[int]] = None) ->
 
 
 def manual_axes(mesh) -> tuple:
-    """The mesh axes the executor makes manual: `stage`, and `data` when the mesh has it."""
-    return (STAGE_AXIS,) + ((DATA_AXIS,) if DATA_AXIS in mesh.shape else ())
+    """The mesh axes the executor makes manual: `stage`, and `data` when it has replicas (a
+    size-1 `data` would only add a no-op all-reduce of every gradient)."""
+    return (STAGE_AXIS,) + ((DATA_AXIS,) if mesh.shape.get(DATA_AXIS, 1) > 1 else ())
 
 
 def _batch_spec(a, data: bool) -> P:
@@ -147,8 +162,7 @@ def _batch_spec(a, data: bool) -> P:
 
 
 # ----------------------------------------------------------------------------- validation
-def _check(schedule: Schedule, mesh, chunk_params, x, aux, chunk_aux, embed_fn,
-           chunk_layers=None) -> None:
+def _check(schedule: Schedule, mesh, chunk_params, x, aux, chunk_aux, embed_fn) -> None:
     if not isinstance(schedule, Schedule):
         raise PipelineError(f"schedule must be a Schedule from build_schedule, got "
                             f"{type(schedule).__name__}")
@@ -164,13 +178,6 @@ def _check(schedule: Schedule, mesh, chunk_params, x, aux, chunk_aux, embed_fn,
             raise PipelineError(
                 f"chunk param {jax.tree_util.keystr(path)} has shape {a.shape}; it needs leading "
                 f"dims [stages={p}, virtual_stages={v}] (see stack_stages)")
-    if chunk_layers is not None:
-        counts = np.asarray(chunk_layers)
-        lc = jax.tree.leaves(chunk_params)[0].shape[2]
-        if counts.shape != (p, v) or counts.min() < 1 or counts.max() > lc:
-            raise PipelineError(f"chunk_layers must be [stages={p}, virtual_stages={v}] counts "
-                                f"in 1..{lc} (the chunks' padded length), got {counts.tolist()}; "
-                                "see chunk_layer_counts")
     if embed_fn is None and not (isinstance(x, jax.Array) or hasattr(x, "shape")):
         raise PipelineError("without embed_fn the pipeline input x must be one array "
                             "[microbatches, ...] of activations; pass embed_fn for raw inputs")
@@ -244,7 +251,7 @@ def _step_flags(table: StepTable, stages: int, virtual_stages: int, backward: bo
 def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[EmbedFn],
              chunk_params, head_params, embed_params, x, aux, chunk_aux, *,
              schedule: Schedule, mesh, backward: bool, fill: float,
-             chunk_layers: Optional[np.ndarray] = None):
+             combine: Optional[GradCombine] = None):
     """Run schedule.table (backward) or schedule.forward_table in one shard_map.
 
     Returns (loss, grads, peak_stash[p]); grads = (d_chunk, d_head, d_in) with d_in = d_embed
@@ -275,18 +282,15 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
     flags = {k: jnp.asarray(a) for k, a in _step_flags(table, p, v, backward).items()}
     with_caux = chunk_aux is not None
     chunk_aux = () if chunk_aux is None else chunk_aux
-    layers_PV = None if chunk_layers is None else jnp.asarray(chunk_layers, jnp.int32)
+    combine = combine or SUM
 
     def body(cp, hp, ep, x, aux, caux, cols, flags):
         r = lax.axis_index(STAGE_AXIS)
         cp = jax.tree.map(lambda a: a[0], cp)                 # this rank's chunks [v, ...]
         cp, hp, ep, x, aux, caux = _vary((cp, hp, ep, x, aux, caux), manual)
 
-        def call_chunk(pj, x_in, k=0, j=0):
-            args = (pj, x_in, _take(caux, k)) if with_caux else (pj, x_in)
-            if layers_PV is None:
-                return chunk_fn(*args)
-            return chunk_fn(*args, layers=layers_PV[r, j])
+        def call_chunk(pj, x_in, k=0):
+            return chunk_fn(pj, x_in, _take(caux, k)) if with_caux else chunk_fn(pj, x_in)
 
         def embed(ep_, k):
             return embed_fn(ep_, _take(x, k)) if embed_fn is not None else x[k]
@@ -337,7 +341,7 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
             active = j >= 0
             j = jnp.maximum(j, 0)
             x_in = chunk_input(c, active, slot, first_input(k))
-            y = call_chunk(params_of(j), x_in, k, j)
+            y = call_chunk(params_of(j), x_in, k)
             if backward:
                 return c, y
             c = dict(c, held=c["held"] - (active & (slot >= 0)))
@@ -354,11 +358,13 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
             g = j * p + r
             is_last, is_first = active & (g == num_v - 1), active & (g == 0)
             x_in = chunk_input(c, active, slot, first_input(k))
-            y, chunk_vjp = jax.vjp(lambda pj, x_: call_chunk(pj, x_, k, j), params_of(j), x_in)
+            y, chunk_vjp = jax.vjp(lambda pj, x_: call_chunk(pj, x_, k), params_of(j), x_in)
 
             def head():
                 loss, head_vjp = jax.vjp(lambda hp_, y_: head_loss(hp_, y_, k), hp, y)
-                d_hp, dy = head_vjp(jnp.full_like(loss, 1.0 / (m * n_data)))
+                # seeded with 1, as an unpipelined microbatch is: the backward's values (and
+                # an FP8 gradient's amax) do not depend on m; the mean's 1/(m*n_data) comes after
+                d_hp, dy = head_vjp(jnp.ones_like(loss))
                 return loss, d_hp, dy
 
             def no_head():
@@ -371,8 +377,11 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
             d_pj, dx = chunk_vjp(dy)
             keep = lambda mask: lambda acc, d: acc + jnp.where(mask, d, 0).astype(acc.dtype)
             c = dict(c)
-            c["d_cp"] = jax.tree.map(lambda acc, d: acc.at[j].set(keep(active)(acc[j], d)),
-                                     c["d_cp"], d_pj)
+            # an idle rank adds zeros (for FP8 metas: an empty observation)
+            d_pj = jax.tree.map(lambda d: jnp.where(active, d, jnp.zeros_like(d)), d_pj)
+            acc_j = combine.add(_take(c["d_cp"], j), d_pj)
+            c["d_cp"] = jax.tree.map(lambda acc, a: acc.at[j].set(a.astype(acc.dtype)),
+                                     c["d_cp"], acc_j)
             c["d_hp"] = jax.tree.map(keep(is_last), c["d_hp"], d_hp)
             c["loss"] = c["loss"] + jnp.where(is_last, loss, 0.0)
             if embed_fn is not None:
@@ -410,14 +419,18 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
         if not backward:
             return loss, c["peak"][None]
         # The one data-parallel (and stage) reduction of the step.
-        reduce_data = (lambda d: lax.psum(d, DATA_AXIS)) if has_data else (lambda d: d)
-        d_cp = jax.tree.map(lambda d, a: reduce_data(d).astype(a.dtype)[None], c["d_cp"], cp)
-        d_hp = jax.tree.map(lambda d, a: lax.psum(d, manual).astype(a.dtype), c["d_hp"], hp)
+        mean = 1.0 / (m * n_data)
+        d_cp = combine.all_reduce(c["d_cp"], DATA_AXIS) if has_data else c["d_cp"]
+        d_cp = jax.tree.map(lambda d, a: (d * mean).astype(a.dtype)[None], d_cp, cp)
+        d_hp = jax.tree.map(lambda d, a: (lax.psum(d, manual) * mean).astype(a.dtype),
+                            c["d_hp"], hp)
         if embed_fn is not None:
-            d_in = jax.tree.map(lambda d, a: lax.psum(d, manual).astype(a.dtype), c["d_ep"], ep)
+            d_in = jax.tree.map(lambda d, a: (lax.psum(d, manual) * mean).astype(a.dtype),
+                                c["d_ep"], ep)
         else:
             # only rank 0 (virtual stage 0) filled dx; the others hold bubble fill
-            d_in = lax.psum(jnp.where(r == 0, c["dx"], jnp.zeros_like(c["dx"])), STAGE_AXIS)
+            d_in = lax.psum(jnp.where(r == 0, c["dx"], jnp.zeros_like(c["dx"])),
+                            STAGE_AXIS) * mean
         return loss, (d_cp, d_hp, d_in), c["peak"][None]
 
     specs = lambda tree: jax.tree.map(lambda a: _batch_spec(a, has_data), tree)
@@ -444,7 +457,7 @@ def pipelined_value_and_grad(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_
                              head_params: Any, x_MBSD: Any, aux: Any, *, schedule: Schedule,
                              mesh, embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
                              chunk_aux: Any = None, bubble_fill: float = 0.0,
-                             chunk_layers: Optional[np.ndarray] = None):
+                             combine: Optional[GradCombine] = None):
     """Run the schedule's forward and backward ops once.
 
     Returns (loss, (d_chunk_params, d_head_params, d_in), stats): loss is the mean of
@@ -452,11 +465,10 @@ def pipelined_value_and_grad(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_
     else d_x; stats = {"peak_stash": int32[p]}, the chunk inputs each rank held at once,
     measured in the loop (<= schedule.stash_slots). See `pipelined_loss` for the arguments.
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn, chunk_layers)
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
     loss, grads, peak = _execute(chunk_fn, head_loss_fn, embed_fn, chunk_params, head_params,
                                  embed_params, x_MBSD, aux, chunk_aux, schedule=schedule,
-                                 mesh=mesh, backward=True, fill=bubble_fill,
-                                 chunk_layers=chunk_layers)
+                                 mesh=mesh, backward=True, fill=bubble_fill, combine=combine)
     return loss, grads, {"peak_stash": peak}
 
 
@@ -464,7 +476,7 @@ def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: An
                    head_params: Any, x_MBSD: Any, aux: Any, *, schedule: Schedule, mesh,
                    embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
                    chunk_aux: Any = None, bubble_fill: float = 0.0,
-                   chunk_layers: Optional[np.ndarray] = None) -> jax.Array:
+                   combine: Optional[GradCombine] = None) -> jax.Array:
     """Mean over microbatches k (and data replicas) of head_loss_fn(head_params, y_k, aux[k]),
     with y_k the chunks applied in order to x_k = x_MBSD[k], or to embed_fn(embed_params,
     x_MBSD[k]) when `embed_fn` is given (x_MBSD is then any pytree of raw inputs, e.g. tokens).
@@ -480,13 +492,13 @@ def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: An
     and chunk_aux get zero cotangents. Called without a grad it runs the forward ops only.
     The functions must not close over values being differentiated; pass them as params.
     `bubble_fill` is what empty buffers and idle sends hold; tests set NaN to show it never
-    reaches a result. `chunk_layers` ([p, v] ints, see chunk_layer_counts): chunks are padded
-    (uneven stages) and chunk_fn is called with keyword `layers`, the real layer count of the
-    chunk it runs (an int32 scalar that differs per rank); it must skip the padding layers.
+    reaches a result. `combine` says how chunk-parameter cotangents add up over microbatches
+    and data replicas (default: sums; FP8 metas, whose cotangents are amax observations, need
+    maxima: fp8.GRAD_COMBINE).
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn, chunk_layers)
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
     run = functools.partial(_execute, chunk_fn, head_loss_fn, embed_fn, schedule=schedule,
-                            mesh=mesh, fill=bubble_fill, chunk_layers=chunk_layers)
+                            mesh=mesh, fill=bubble_fill, combine=combine)
     types = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                          (x_MBSD, aux, chunk_aux))
 
@@ -516,15 +528,14 @@ def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: An
 def gpipe_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any, head_params: Any,
                x_MBSD: Any, aux: Any, *, schedule: Schedule, mesh,
                embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
-               chunk_aux: Any = None, bubble_fill: float = 0.0,
-               chunk_layers: Optional[np.ndarray] = None) -> jax.Array:
+               chunk_aux: Any = None, bubble_fill: float = 0.0) -> jax.Array:
     """Same loss as pipelined_loss from the forward ops only; jax.grad differentiates the scan.
 
     The reference for the manual backward and the evaluation path. Under grad its memory is
     GPipe's: autodiff keeps every step's residuals (wrap chunk_fn in jax.checkpoint to keep
     only chunk inputs).
     """
-    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn, chunk_layers)
+    _check(schedule, mesh, chunk_params, x_MBSD, aux, chunk_aux, embed_fn)
     return _execute(chunk_fn, head_loss_fn, embed_fn, chunk_params, head_params, embed_params,
                     x_MBSD, aux, chunk_aux, schedule=schedule, mesh=mesh, backward=False,
-                    fill=bubble_fill, chunk_layers=chunk_layers)[0]
+                    fill=bubble_fill)[0]

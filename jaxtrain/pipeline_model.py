@@ -27,13 +27,16 @@ step.make_eval_step's sums.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain import fp8 as fp8_lib
 from jaxtrain import model as model_lib
 from jaxtrain import pipeline as pl
 from jaxtrain import remat, sharding
@@ -70,73 +73,110 @@ class _InShardMap:
         return dataclasses.replace(self.inner, mesh=ctx, inside_data_vmap=True)(x, names)
 
 
+# What a layer of a chunk does, stacked with the layers as a float (the remat runners
+# differentiate every scanned leaf, so no integers): padding rows are zero.
+SKIP, PLAIN, FP8 = 0, 1, 2
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineModel:
     """The pieces the executor runs, built once per setup (all static)."""
     setup: Any
     graphdef: Any              # the Llama with shard_map-safe constraints
-    abstract_state: Any
-    block_apply: Any           # (layer_state, x, cos, sin, segment_ids) -> x
+    abstract_state: Any        # its params (nnx.State of ShapeDtypeStruct)
+    abstract_meta: Any         # its FP8 metas, or None without FP8
+    block_apply: Any           # (layer_state, x, cos, sin, segment_ids, fp8) -> x
     run_layers: Any            # the remat layer runner, applied to one chunk
     schedule: pl.Schedule
     stage_layers: tuple        # layers per physical stage
-    chunk_layers: Any          # [p, v] real layers per chunk; None when all chunks are equal
+    fp8_layers: Any            # model.Fp8Layers (which layers run in FP8), or None
 
     @property
     def mesh(self):
         return self.setup.mesh
 
-    def bind(self, params):
-        """A Llama over (a subset of) the pure-dict params; absent leaves stay abstract."""
+    def bind(self, params, fp8_meta=None):
+        """A Llama over (a subset of) the pure-dict params (and FP8 metas); absent leaves stay
+        abstract."""
         state = jax.tree.map(lambda x: x, self.abstract_state)
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)
+        if self.abstract_meta is None:
+            return nnx.merge(self.graphdef, state)
+        meta = jax.tree.map(lambda x: x, self.abstract_meta)
+        if fp8_meta is not None:
+            nnx.replace_by_pure_dict(meta, fp8_meta)
+        return nnx.merge(self.graphdef, state, meta)
+
+    def layer_modes(self, use_fp8: bool) -> np.ndarray:
+        """[L] what each layer runs as: FP8 in its FP8 spans when use_fp8, else PLAIN."""
+        modes = np.full(self.setup.cfg.model.num_layers, PLAIN, np.float32)
+        if use_fp8:
+            for start, stop, fp8 in model_lib.layer_spans(len(modes), self.fp8_layers):
+                modes[start:stop] = FP8 if fp8 else PLAIN
+        return modes
+
+    def uniform_mode(self, use_fp8: bool):
+        """The one mode of every chunk row when there is no padding and no mixed span, else
+        None (then each layer branches on its stacked mode)."""
+        modes = set(self.layer_modes(use_fp8).tolist())
+        even = len(set(self.stage_layers)) == 1
+        return int(modes.pop()) if even and len(modes) == 1 else None
 
     # The executor's three functions; none closes over a differentiated value.
     def embed_fn(self, embed_params, inputs):
         return self.bind(embed_params).embed_tokens(inputs["inputs"])
 
-    def chunk_fn(self, chunk_state, x_BSD, chunk_aux, layers=None):
+    def chunk_fn(self, chunk, x_BSD, chunk_aux, *, mode=None):
+        """chunk = (layer states [Lc, ...], modes [Lc]); `mode` (static) when all are equal."""
         cos, sin = model_lib.rope_tables(self.setup.model_cfg, chunk_aux["positions"])
         segment_ids_BS = chunk_aux["segment_ids"]
-        block = lambda s, x: self.block_apply(s, x, cos, sin, segment_ids_BS)  # noqa: E731
-        if layers is None:
-            return self.run_layers(block, x_BSD, chunk_state)
-        # padded chunk: a float flag per layer rides along the scanned state (the remat
-        # runners differentiate every scanned leaf, so no integers)
-        lc = jax.tree.leaves(chunk_state)[0].shape[0]
-        real_L = (jnp.arange(lc) < layers).astype(jnp.float32)
 
-        def maybe_block(s_real, x):
-            s, real = s_real
-            return jax.lax.cond(real > 0, lambda: block(s, x), lambda: x)
-        return self.run_layers(maybe_block, x_BSD, (chunk_state, real_L))
+        def block(s, x, fp8):
+            return self.block_apply(s, x, cos, sin, segment_ids_BS, fp8)
+        if mode is not None:
+            return self.run_layers(lambda sm, x: block(sm[0], x, mode == FP8), x_BSD, chunk)
+
+        def any_mode(sm, x):
+            # a per-rank branch: padding (uneven stages) is skipped, bf16 spans run unscaled
+            s, m = sm
+            branches = [lambda: x, lambda: block(s, x, False)]
+            if self.fp8_layers is not None:
+                branches.append(lambda: block(s, x, True))
+            return jax.lax.switch(m.astype(jnp.int32), branches)
+        return self.run_layers(any_mode, x_BSD, chunk)
 
     def head_loss_fn(self, head_params, x_BSD, aux):
         logits_BSV = self.bind(head_params).logits(x_BSD)
         return model_lib.cross_entropy_sum(logits_BSV, aux["targets"], aux["loss_mask"])[0]
 
-    def split_params(self, params):
-        """(chunk states [p, v, Lc, ...], head params, embed params) of the pure-dict params."""
+    def split_params(self, params, fp8_meta=None):
+        """(chunks ([p, v, Lc, ...] layer states, [p, v, Lc] modes), head params, embed params)
+        of the pure-dict params (and FP8 metas, which go with their layers)."""
         cfg = self.setup.cfg
-        blocks = self.bind({"blocks": params["blocks"]}).block_fn()[1]
-        chunks = pl.stack_stages(blocks, self.schedule.stages, self.schedule.virtual_stages,
-                                 self.stage_layers)
+        metas = None if fp8_meta is None else {"blocks": fp8_meta["blocks"]}
+        blocks = self.bind({"blocks": params["blocks"]}, metas).block_fn()[1]
+        modes = jnp.asarray(self.layer_modes(fp8_meta is not None))
+        chunks = pl.stack_stages((blocks, modes), self.schedule.stages,
+                                 self.schedule.virtual_stages, self.stage_layers)
         head = {"final_norm": params["final_norm"]}
         head.update({"embed": params["embed"]} if cfg.model.tie_embeddings
                     else {"lm_head": params["lm_head"]})
         return chunks, head, {"embed": params["embed"]}
 
-    def loss_sum(self, params, batch, *, bubble_fill: float = 0.0):
+    def loss_sum(self, params, batch, fp8_meta=None, *, bubble_fill: float = 0.0):
         """(mean over microbatches and data replicas of their summed token loss, tokens)."""
         mbs = split_microbatches(batch, self.mesh, self.schedule.microbatches)
-        chunks, head, embed = self.split_params(params)
+        chunks, head, embed = self.split_params(params, fp8_meta)
+        chunk_fn = functools.partial(self.chunk_fn, mode=self.uniform_mode(fp8_meta is not None))
+        # FP8 metas' cotangents are amax observations: max over microbatches and replicas
+        combine = None if fp8_meta is None else pl.GradCombine(fp8_lib.add_grads,
+                                                               fp8_lib.all_reduce_grads)
         loss = pl.pipelined_loss(
-            self.chunk_fn, self.head_loss_fn, chunks, head, {"inputs": mbs["inputs"]},
+            chunk_fn, self.head_loss_fn, chunks, head, {"inputs": mbs["inputs"]},
             {k: mbs[k] for k in HEAD_AUX_KEYS}, schedule=self.schedule, mesh=self.mesh,
             embed_fn=self.embed_fn, embed_params=embed,
             chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, bubble_fill=bubble_fill,
-            chunk_layers=self.chunk_layers)
+            combine=combine)
         return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32))
 
     @property
@@ -150,22 +190,24 @@ def build(setup) -> PipelineModel:
     cfg, mesh = setup.cfg, setup.mesh
     par = cfg.parallel
     p, v, m = mesh.shape.get(pl.STAGE_AXIS, 1), par.virtual_stages, par.microbatches
-    if getattr(setup, "fp8", None) is not None:
-        raise PipelineError("fp8.enabled with parallel.stage > 1: FP8 metas are not threaded "
-                            "through the pipeline yet; set fp8.enabled=false or parallel.stage=1")
     stage_layers = stage_layer_counts(cfg, p, v)     # LayoutError names a bad split
     counts = pl.chunk_layer_counts(cfg.model.num_layers, p, v, stage_layers)
     schedule = pl.build_schedule(par.schedule, p, m, v)
     remat.validate(cfg.remat, sorted(set(counts.flat)))
-    base = nnx.merge(setup.graphdef, setup.abstract_state)
+    base = nnx.merge(setup.graphdef, setup.abstract_state,
+                     *([setup.abstract_meta] if setup.abstract_meta is not None else []))
     ops = dataclasses.replace(base.ops, constrain=_InShardMap(base.ops.constrain))
     abstract = nnx.eval_shape(lambda: model_lib.Llama(setup.model_cfg, rngs=nnx.Rngs(0),
                                                       ops=ops, real_vocab=base.real_vocab))
-    graphdef, abstract_state = nnx.split(abstract)
+    if ops.fp8 is not None:
+        graphdef, abstract_state, abstract_meta = nnx.split(abstract, nnx.Param,
+                                                            model_lib.Fp8MetaState)
+    else:
+        (graphdef, abstract_state), abstract_meta = nnx.split(abstract), None
     block_apply = abstract.block_fn()[0]
-    return PipelineModel(setup, graphdef, abstract_state, block_apply,
+    return PipelineModel(setup, graphdef, abstract_state, abstract_meta, block_apply,
                          ops.run_layers or model_lib.scan_layers, schedule, stage_layers,
-                         None if (counts == counts.flat[0]).all() else counts)
+                         ops.fp8)
 
 
 def split_microbatches(batch: dict, mesh, m: int) -> dict:
@@ -186,15 +228,14 @@ def split_microbatches(batch: dict, mesh, m: int) -> dict:
 
 
 def loss_and_grads(setup):
-    """`fn(params, batch, fp8_meta=None) -> (loss, tokens, grads, None)`: step.loss_and_grads
-    on the pipeline (the last item stands for FP8 meta gradients, which it does not support)."""
+    """`fn(params, batch, fp8_meta=None) -> (loss, tokens, grads, meta_grad)`:
+    step.loss_and_grads on the pipeline (meta_grad: the FP8 metas' amax observations, max
+    over microbatches and data replicas; None without fp8_meta)."""
     pm = build(setup)
     cfg = setup.cfg
     compute_dtype = jnp.dtype(cfg.model.compute_dtype)
 
     def fn(params, batch, fp8_meta=None):
-        if fp8_meta is not None:
-            raise PipelineError("fp8_meta with parallel.stage > 1 is not supported")
         if cfg.parallel.zero1:
             # Distributed optimizer: gather a compute-dtype copy once per step.
             params = jax.tree.map(lambda a, sh: jax.lax.with_sharding_constraint(
@@ -202,13 +243,19 @@ def loss_and_grads(setup):
         tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
         total = jnp.maximum(tokens, 1.0)
 
-        def loss_fn(params_):
+        def loss_fn(params_, meta):
             # the executor averages per-(microbatch, replica) sums: rescale to sum / tokens
-            return pm.loss_sum(params_, batch)[0] * (pm.replicas / total)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+            return pm.loss_sum(params_, batch, meta)[0] * (pm.replicas / total)
+        if fp8_meta is None:
+            loss, grads = jax.value_and_grad(loss_fn)(params, None)
+            meta_grad = None
+        else:
+            # (an observation's amax is a ratio, unchanged by the loss scale above)
+            loss, (grads, meta_grad) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params,
+                                                                                   fp8_meta)
         grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(
             g.astype(jnp.float32), sh), grads, setup.param_shardings)
-        return loss, tokens, grads, None
+        return loss, tokens, grads, meta_grad
     return fn
 
 
@@ -218,11 +265,11 @@ def pipelined_loss_and_grads(setup, params, batch):
 
 
 def eval_sums(setup):
-    """`fn(params, batch) -> (summed token loss, tokens)`: forward ops only, as
-    step.make_eval_step's sums (unjitted)."""
+    """`fn(params, batch, fp8_meta=None) -> (summed token loss, tokens)`: forward ops only, as
+    step.make_eval_step's sums (unjitted); in FP8 when given the metas."""
     pm = build(setup)
 
-    def fn(params, batch):
-        mean, tokens = pm.loss_sum(params, batch)
+    def fn(params, batch, fp8_meta=None):
+        mean, tokens = pm.loss_sum(params, batch, fp8_meta)
         return mean * pm.replicas, tokens
     return fn

@@ -56,10 +56,6 @@ def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
     if shape["context"] > 1:
         raise LayoutError("parallel.context > 1: context parallelism is not implemented yet; "
                           "set parallel.context=1")
-    if shape["stage"] > 1:
-        if cfg.fp8.enabled:
-            raise LayoutError("fp8.enabled with parallel.stage > 1: FP8 metas are not threaded "
-                              "through the pipeline yet; turn one of them off")
     return shape
 
 

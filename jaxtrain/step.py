@@ -390,7 +390,7 @@ def make_eval_step(setup: Setup):
     mesh = setup.mesh
     n_data = mesh.shape["data"]
 
-    def eval_step(params, batch, fp8_meta=None):
+    def unpipelined_sums(params, batch, fp8_meta=None):
         mbs = split_microbatches(batch, n_data, 1)
         mb = {k: v[0] for k, v in mbs.items()}
         s, c = jax.vmap(lambda mbi: loss_sums(setup, params, mbi, fp8_meta),
@@ -398,9 +398,8 @@ def make_eval_step(setup: Setup):
         return jnp.sum(s), jnp.sum(c)
 
     batch_sh = {k: NamedSharding(mesh, sharding.batch_spec(mesh)) for k in BATCH_KEYS}
-    if mesh.shape["stage"] > 1:
-        sums = jax.jit(pipeline_model.eval_sums(setup), in_shardings=(setup.param_shardings, batch_sh))
-        return lambda params, batch, fp8_meta=None: sums(params, batch)
+    eval_step = (pipeline_model.eval_sums(setup) if mesh.shape["stage"] > 1
+                 else unpipelined_sums)
     plain = jax.jit(lambda params, batch: eval_step(params, batch),
                     in_shardings=(setup.param_shardings, batch_sh))
     if setup.fp8 is None:

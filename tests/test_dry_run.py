@@ -1,5 +1,6 @@
 """train.py before launch: the ledger's plan on too few devices (exit 2, nothing compiled) and
 --dry-run, which compiles llama70b's real train step on 8 fake CPU devices from abstract state."""
+import functools
 import importlib.util
 import pathlib
 import time
@@ -7,9 +8,10 @@ import time
 import jax
 import pytest
 
-from jaxtrain import dry_run, step, trainer
+from jaxtrain import dry_run, sharding, step, trainer
 from jaxtrain.config import load_config
-from jaxtrain.ledger import GiB
+from jaxtrain.ledger import GiB, LayoutError
+from util import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LLAMA70B = str(ROOT / "configs" / "llama70b.py")
@@ -83,22 +85,164 @@ def test_scaling_keeps_the_model_and_the_planned_micro_batch():
     planned = dry_run.plan_devices(cfg, "h100")
     scaled, changes = dry_run.scale_to_devices(cfg, planned, 8)
     p = scaled.parallel
-    assert (p.tensor, p.stage, p.virtual_stages, p.data) == (8, 1, 1, 1)
+    # The pipeline stays (stage=2 divides 8); tensor fills the 4 devices of a stage.
+    assert (p.tensor, p.stage, p.virtual_stages, p.schedule, p.data) == (
+        4, 2, 10, "interleaved_1f1b", 1)
     assert scaled.model == cfg.model
     assert scaled.train.global_batch == planned.layout.micro_batch * p.microbatches
-    assert any(c.startswith(f"parallel.stage {cfg.parallel.stage} -> 1 (the dry run compiles "
-                            "without pipeline stages") for c in changes)
-    assert any(c.startswith("parallel.tensor 16 -> 8") for c in changes)
+    assert not any(c.startswith("parallel.stage") for c in changes)
+    assert any(c.startswith("parallel.tensor 16 -> 4 (the largest degree <= 16 that divides "
+                            "the 4 devices of a stage") for c in changes)
     tiny = load_config(TINY)
     assert dry_run.scale_to_devices(tiny, dry_run.plan_devices(tiny, "h100", present=8),
                                     8) == (tiny, [])
 
 
-# ----------------------------------------------------------------------------- dry run
+def scaled(overrides, devices, base=LLAMA70B, n=8):
+    cfg = load_config(base, overrides)
+    planned = dry_run.plan_devices(cfg, "h100", devices=devices)
+    out, changes = dry_run.scale_to_devices(cfg, planned, n)
+    return planned.layout, out.parallel, out.train.global_batch, changes
+
+
+def change(changes, key):
+    found = [c for c in changes if c.startswith(key + " ")]
+    assert len(found) == 1, (key, changes)
+    return found[0]
+
+
+def test_scaling_keeps_or_reduces_the_pipeline_with_reasons(monkeypatch):
+    # Kept: stage=2 divides 8 and splits 80 layers into 2 x 10 chunks; so do the schedule,
+    # microbatches and the configured uneven first/last stages.
+    _, p, _, changes = scaled([], 1024)
+    assert (p.stage, p.virtual_stages, p.schedule, p.microbatches) == (
+        2, 10, "interleaved_1f1b", 8)
+    _, p, _, changes = scaled(["--parallel.virtual_stages=1", "--parallel.schedule=1f1b",
+                               "--parallel.first_stage_layers=38",
+                               "--parallel.last_stage_layers=42"], 1024)
+    assert (p.stage, p.first_stage_layers, p.last_stage_layers) == (2, 38, 42), changes
+
+    # Reduced: 16 does not divide 8 devices; 8 is the largest divisor that splits 80 layers
+    # into 8 x 5 chunks (virtual stages kept), tensor has no devices left.
+    _, p, _, changes = scaled(["--parallel.stage=16", "--parallel.virtual_stages=5",
+                               "--parallel.microbatches=16"], 2048)
+    assert (p.stage, p.virtual_stages, p.tensor, p.data) == (8, 5, 1, 1)
+    assert change(changes, "parallel.stage").startswith(
+        "parallel.stage 16 -> 8 (stage=16 does not divide the 8 present devices; 8 is the "
+        "largest degree below it that divides 8 and splits them; each device holds 10 of the 80 "
+        "layers where the plan holds 5")
+    # Uneven stages are for the configured degree: dropped when stage changes.
+    _, p, _, changes = scaled(["--parallel.stage=3", "--parallel.virtual_stages=1",
+                               "--parallel.schedule=1f1b", "--parallel.first_stage_layers=30",
+                               "--parallel.last_stage_layers=20"], 1536)
+    assert (p.stage, p.first_stage_layers, p.last_stage_layers, p.tensor) == (2, 0, 0, 4)
+    assert "(the uneven split is for stage=3)" in change(changes, "parallel.first_stage_layers")
+
+    # 24 layers over 6 stages x 2 on 8 devices: 4 stages split 24 into 4 x 2 chunks, so the
+    # virtual stages stay and microbatches round up to a multiple of 4 (the global batch too).
+    base = ["--model.num_layers=24", "--parallel.tensor=1", "--parallel.sequence_parallel=false",
+            "--parallel.stage=6", "--parallel.virtual_stages=2", "--parallel.microbatches=6",
+            "--parallel.data=2", "--train.global_batch=24"]
+    P, p, batch, changes = scaled(base, 12, base=TINY)
+    assert (p.stage, p.virtual_stages, p.microbatches, p.data) == (4, 2, 8, 2)
+    assert batch == 2 * P.micro_batch * 8
+    assert "interleaved 1F1B needs a multiple of stage=4" in change(changes,
+                                                                    "parallel.microbatches")
+    # ... with 20 layers, 4 stages do not split 20 into 4 x 2: virtual stages drop, 1F1B.
+    P, p, _, changes = scaled(base[1:] + ["--model.num_layers=20", "--parallel.stage=5",
+                                          "--parallel.microbatches=5",
+                                          "--train.global_batch=20"], 10, base=TINY)
+    assert (p.stage, p.virtual_stages, p.schedule) == (4, 1, "1f1b")
+    assert "2 do not split the layers over stage=4" in change(changes, "parallel.virtual_stages")
+    # A trainer that refuses uneven stages: the split is dropped, then 4 stages no longer
+    # split 78 layers evenly and stage falls to 2.
+    real = sharding.validate_layout
+
+    def no_uneven(cfg, n):
+        if cfg.parallel.first_stage_layers and dry_run.min_devices(cfg) > 1:
+            raise LayoutError("uneven stages are not supported")
+        return real(cfg, n)
+    monkeypatch.setattr(sharding, "validate_layout", no_uneven)
+    _, p, _, changes = scaled(["--model.num_layers=78", "--parallel.stage=4",
+                               "--parallel.virtual_stages=1", "--parallel.schedule=1f1b",
+                               "--parallel.first_stage_layers=18",
+                               "--parallel.last_stage_layers=18"], 2048)
+    assert (p.stage, p.first_stage_layers, p.last_stage_layers) == (2, 0, 0)
+    assert "stage=4 does not split the layers: model.num_layers=78 is not divisible" in change(
+        changes, "parallel.stage")
+    _, p, _, changes = scaled(["--parallel.stage=4", "--parallel.virtual_stages=1",
+                               "--parallel.schedule=1f1b", "--parallel.first_stage_layers=17",
+                               "--parallel.last_stage_layers=21"], 1024)
+    assert (p.stage, p.first_stage_layers) == (4, 0)
+    assert "(the trainer refuses it: uneven stages are not supported)" in change(
+        changes, "parallel.first_stage_layers")
+    # A trainer that refuses a pipelined layout the ledger accepts (as it once did FP8 with
+    # stages): the dry run compiles stage=1 and says why.
+    def no_stages(cfg, n):
+        if sharding.mesh_shape(cfg, n)["stage"] > 1:
+            raise LayoutError("no stages today")
+        return real(cfg, n)
+    monkeypatch.setattr(sharding, "validate_layout", no_stages)
+    _, p, _, changes = scaled(["--parallel.stage=2", "--parallel.data=4"], 8, base=TINY)
+    assert (p.stage, p.data) == (1, 8)
+    assert change(changes, "parallel.stage").startswith(
+        "parallel.stage 2 -> 1 (the trainer refuses the pipelined layout: no stages today; "
+        "each device holds 4 of the 4 layers where the plan holds 2")
+
+
+# A small model whose layers outweigh its vocab tables, so stages halve the parameters.
+PIPE = ("--model.vocab_size=128", "--model.num_layers=8", "--train.global_batch=16",
+        "--train.seq_len=32", "--parallel.microbatches=2", "--parallel.data=-1")
+
+
+@functools.cache
+def tiny_dry_run(stage: int):
+    return dry_run.dry_run(tiny_config(*PIPE, f"--parallel.stage={stage}"), "h100")
+
+
+def test_stage_2_compiles_the_pipelined_step():
+    r2, r1 = tiny_dry_run(2), tiny_dry_run(1)
+    assert not r2.changes and r2.estimate.layout.stage == 2 and r1.estimate.layout.stage == 1
+    t = r2.pipeline
+    assert r1.pipeline is None and (t.stages, t.schedule, t.chunk_layers) == (2, "1f1b", 4)
+
+    # The executor's sends: one ppermute right and one left per table step, in the loop; fp32
+    # activations here, so the compiled wire bytes are the table's exactly.
+    permutes = [c for c in r2.collectives if c.axes == ("stage",)
+                and c.kind == "collective-permute"]
+    assert permutes and all(c.in_loop for c in permutes)
+    assert sum(c.count for c in permutes) == 2 * t.steps
+    assert r2.stage_comm()[("collective-permute", True)][0] == pytest.approx(t.send_bytes)
+    ledger_pp, compiled_stage = r2.comm_by_axes()[("stage",)]
+    assert 0 < ledger_pp < t.send_bytes <= compiled_stage
+    assert not any(c.axes and "stage" in c.axes for c in r1.collectives)
+
+    # Parameters (fp32 master + Adam m, v are the arguments) per device: about half of
+    # stage=1's, the vocab tables being on every stage; the ledger's worst stage holds one.
+    ratio = r2.memory["argument_bytes"] / r1.memory["argument_bytes"]
+    assert 0.5 < ratio < 0.56, ratio
+    assert r2.memory["argument_bytes"] == pytest.approx(
+        r2.ledger_memory()["state"] + r2.replicated_head_bytes(), rel=0.02)
+    assert r2.executor_temp() < r2.ledger_memory()["temp"]  # stash + one chunk, not 1F1B's
+
+    # The lock-step table predicts the compiled matmuls; executed, the ledger's FLOPs plus
+    # the recomputed forward and the bubble's idle chunk passes.
+    counted, executed = t.matmul_flops(r2.cfg, r2.estimate.layout)
+    assert r2.matmul_flops == pytest.approx(counted, rel=0.02)
+    assert r2.estimate.model_flops_per_step / 8 < executed < counted
+
+    out = r2.format()
+    for text in ("pipelined: 1f1b, 2 stages x 1 virtual stages of 4 layers",
+                 "collective-permute", "the lock-step executor sends one activation-sized",
+                 "the same, the executor's activations", "the table predicts"):
+        assert text in out, text
+    assert "not wired" not in out
+
 
 def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
-    """The real 70B step (80 scanned layers, abstract parameters) compiles on 8 fake devices
-    in well under a minute of CPU time and is reported next to the ledger."""
+    """The real pipelined 70B step (2 stages x 10 virtual of 4 scanned layers, abstract
+    parameters) compiles on 8 fake devices in well under a minute of CPU time and is reported
+    next to the ledger."""
     reports, real = [], dry_run.dry_run
     monkeypatch.setattr(dry_run, "dry_run",
                         lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
@@ -112,31 +256,48 @@ def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
     # Nothing of the 70B model was materialised.
     assert sum(a.nbytes for a in jax.live_arrays()) - live_before < 2 ** 20
 
-    # The scaled layout: the plan's tensor=8 and micro-batch 1, stage 1, data filling 8.
-    L, m = r.estimate.layout, r.planned.layout.microbatches
-    assert (L.tensor, L.stage, L.data, L.micro_batch, L.microbatches) == (8, 1, 1, 1, m)
+    # The scaled layout: the plan's pipeline (2 stages x 10 virtual, 8 microbatches) and
+    # micro-batch 1; tensor fills the 4 devices of a stage.
+    L, P = r.estimate.layout, r.planned.layout
+    assert (L.tensor, L.stage, L.virtual_stages, L.data, L.micro_batch, L.microbatches) == (
+        4, 2, 10, 1, 1, P.microbatches)
     assert r.cfg.model.num_layers == 80 and r.planned.n_devices == 1024
+    t = r.pipeline
+    assert (t.schedule, t.chunk_layers, t.steps) == ("interleaved_1f1b", 4, 100)
 
-    # Both columns, the collectives table and the stage note are printed.
-    for text in ("dry run on 8 x cpu", "parallel.stage ", "ledger    compiled",
-                 "state: fp32 master + Adam m, v", "temporaries", "all-gather  tensor",
-                 "stage=1: pipeline stages are not wired into the dry run", "FLOPs per device per step"):
+    # Both columns, the collectives table and the pipeline's notes are printed.
+    for text in ("dry run on 8 x cpu", "parallel.tensor 8 -> 4", "ledger    compiled",
+                 "state: fp32 master + Adam m, v", "temporaries", "collective-permute  stage",
+                 "pipelined: interleaved_1f1b, 2 stages x 10 virtual stages of 4 layers",
+                 "the lock-step executor sends one activation-sized ppermute right and one left",
+                 "FLOPs per device per step", "the table predicts"):
         assert text in out, text
+    assert "not wired" not in out
 
-    # Arguments are the fp32 master params and Adam's m and v: the ledger's 12 bytes/param.
+    # Arguments are the fp32 master params and Adam's m and v: the ledger's 12 bytes/param of
+    # its worst stage, plus the vocab table that stage does not hold (every rank holds both).
     ledger = r.ledger_memory()
-    assert r.memory["argument_bytes"] == pytest.approx(ledger["state"], rel=0.01)
-    # Temporaries: activations with XLA attention (fp32 s×s scores), grads, the bf16 copy.
-    # Measured 1.65x the ledger (its scores are bf16); see test_ledger_calibration.
-    assert 1.0 < r.memory["temp_bytes"] / ledger["temp"] < 2.5
-    # Trip-count-aware matmul FLOPs are the ledger's model FLOPs per device.
-    assert r.matmul_flops == pytest.approx(r.estimate.model_flops_per_step / 8, rel=0.01)
-    # Tensor-parallel traffic exists on the tensor axis only; the compiled volume is ~5x the
-    # ledger's 4 AG + 4 RS of bf16 s·b·h per layer: XLA:CPU moves the residual stream in fp32
-    # and emits more collectives per layer (recorded in the dry run's output).
+    assert r.memory["argument_bytes"] == pytest.approx(
+        ledger["state"] + r.replicated_head_bytes(), rel=0.01)
+    # Temporaries: the executor stashes chunk inputs and recomputes, far below the ledger's
+    # Megatron activations for 84 layer-microbatches (with XLA's s×s scores); measured 1.31x
+    # the ledger with the executor's activations (stash + one chunk).
+    assert r.memory["temp_bytes"] < ledger["temp"] / 2
+    assert 1.0 < r.memory["temp_bytes"] / r.executor_temp() < 2.0
+    # The lock-step table predicts the trip-count-aware matmul FLOPs.
+    assert r.matmul_flops == pytest.approx(t.matmul_flops(r.cfg, L)[0], rel=0.01)
+    # Tensor traffic: lock-step counts 3 chunk passes per table step (1.875x the ledger's 2 per
+    # microbatch and virtual stage); beyond that XLA:CPU moves the residual stream in fp32 and
+    # emits more collectives per layer (~4.7x, as at stage=1).
     comm = r.comm_by_axes()
-    assert set(comm) == {("tensor",)}
+    assert {("tensor",), ("stage",)} <= set(comm) <= {("tensor",), ("stage",), ()}
     ledger_tp, compiled_tp = comm[("tensor",)]
-    assert 1.0 <= compiled_tp / ledger_tp <= 8.0
+    assert 1.0 <= compiled_tp / (ledger_tp * r.lockstep_layer_factor()) <= 8.0
+    # Stage traffic: the executor's permutes, 2 per table step, bf16 activations carried as
+    # f32 by XLA:CPU: 2x the table and 2 x 100/80 the ledger's PP.
+    permutes = r.stage_comm()[("collective-permute", True)][0]
+    assert permutes == pytest.approx(2 * t.send_bytes, rel=0.01)
+    assert permutes / comm[("stage",)][0] == pytest.approx(
+        2 * t.steps / (t.microbatches * t.virtual_stages), rel=0.01)
     print(f"llama70b dry run: {elapsed:.1f} s wall (compile {r.compile_s:.1f} s), temp "
           f"{r.memory['temp_bytes'] / GiB:.1f} GiB/device")

@@ -181,6 +181,10 @@ def test_data_tensor_fsdp_layout_equals_one_device(one_device):
     got, *_ = _grad_steps(["--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
                            "--parallel.sequence_parallel=true", "--parallel.microbatches=2"],
                           jax.devices(), params0)
+    _assert_fp8_steps_match(got, ref)
+
+
+def _assert_fp8_steps_match(got, ref):
     for (l_ref, g_ref, m_ref), (l_got, g_got, m_got) in zip(ref, got):
         # Quantization is deterministic given the scales, and the amax is the max over
         # replicas, microbatches and shards, so only f32 accumulation order differs (measured:
@@ -196,6 +200,21 @@ def test_data_tensor_fsdp_layout_equals_one_device(one_device):
             off = ~np.isclose(a, b, atol=1e-5, rtol=1e-4)
             assert off.mean() < 0.05, f"{off.sum()} of {off.size} gradient entries differ"
             np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-2)
+
+
+def test_pipeline_with_a_bf16_first_layer_equals_one_device():
+    """FP8 through the pipeline: metas travel with their layers' chunks, observations are
+    max-combined over microbatches and data replicas (a sum would average them), layer 0 runs
+    unscaled on rank 0 while layer 1 runs in FP8 on rank 1 (a per-rank branch)."""
+    bf16_first = ["--fp8.bf16_first_layers=1"]
+    ref, params0, _ = _grad_steps(["--parallel.data=1", *bf16_first], jax.devices()[:1])
+    got, *_ = _grad_steps(["--parallel.stage=2", "--parallel.data=2", "--parallel.tensor=2",
+                           "--parallel.microbatches=2", "--parallel.schedule=1f1b",
+                           *bf16_first], jax.devices(), params0)
+    _assert_fp8_steps_match(got, ref)
+    # layer 0's metas never observed anything; layer 1's did
+    wq = got[-1][2]["blocks"]["attn"]["wq"]["fp8_meta"]
+    assert (wq.x.amax_history[0] == 0).all() and (wq.x.amax_history[1, -2:] > 0).all()
 
 
 def test_eval_uses_fp8_with_the_metas_and_the_compute_dtype_without(one_device):

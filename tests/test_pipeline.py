@@ -127,13 +127,11 @@ def test_pipelined_grad_matches_unpipelined(kind, p, v, m):
     assert max_diff(from_pipeline(grads), ref_grads) < TOL
 
 
-def padded_chunk_fn(chunk_params, x_BSD, *, layers):
-    """chunk_fn for padded chunks: layer i runs only when i < layers (a per-rank count)."""
-    def step(h, iw):
-        i, w = iw
-        return lax.cond(i < layers, lambda: layer(h, w), lambda: h), None
-    lc = jax.tree.leaves(chunk_params)[0].shape[0]
-    return lax.scan(step, x_BSD, (jnp.arange(lc), chunk_params))[0]
+def padded_chunk_fn(chunk_params, x_BSD):
+    """chunk_fn for padded chunks: a layer runs only where its stacked flag `real` is set."""
+    def step(h, w):
+        return lax.cond(w["real"] > 0, lambda: layer(h, w), lambda: h), None
+    return lax.scan(step, x_BSD, chunk_params)[0]
 
 
 def test_stack_stages_orders_and_pads_uneven_stages():
@@ -157,21 +155,22 @@ def test_uneven_stages_match_unpipelined_and_skip_padding(kind, p, v, stage_laye
     m = 4
     params, raw, labels, ref_loss, ref_grads = reference(sum(stage_layers), m)
     schedule = pl.build_schedule(kind, p, m, v)
-    counts = pl.chunk_layer_counts(sum(stage_layers), p, v, stage_layers)
-    chunks = pl.stack_stages(params["layers"], p, v, stage_layers)
-    # padding rows hold NaN: a padding layer that ran would poison the loss and the grads
-    real = np.arange(chunks["w1_DF"].shape[2]) < counts[..., None]
-    chunks = jax.tree.map(lambda a: jnp.where(real[..., None, None], a, NAN), chunks)
+    layers = dict(params["layers"], real=jnp.ones(sum(stage_layers)))
+    chunks = pl.stack_stages(layers, p, v, stage_layers)     # padding rows: real = 0
+    # padding rows hold NaN weights: a padding layer that ran would poison loss and grads
+    real = chunks["real"][..., None, None] > 0
+    chunks = dict(chunks, w1_DF=jnp.where(real, chunks["w1_DF"], NAN),
+                  w2_FD=jnp.where(real, chunks["w2_FD"], NAN))
 
     def loss_fn(pparams, raw_MBSE, labels_MBS):
         return pl.pipelined_loss(padded_chunk_fn, head_loss_fn, pparams["layers"],
                                  pparams["head"], raw_MBSE @ pparams["embed"], labels_MBS,
-                                 schedule=schedule, mesh=stage_mesh(p), bubble_fill=NAN,
-                                 chunk_layers=counts)
+                                 schedule=schedule, mesh=stage_mesh(p), bubble_fill=NAN)
     loss, grads = jit_fast(jax.value_and_grad(loss_fn))(dict(params, layers=chunks), raw, labels)
     assert abs(float(loss) - float(ref_loss)) < TOL
-    grads = dict(grads, layers=pl.unstack_stages(grads["layers"], stage_layers))
-    assert max_diff(grads, ref_grads) < TOL
+    layer_grads = pl.unstack_stages(grads["layers"], stage_layers)
+    del layer_grads["real"]
+    assert max_diff(dict(grads, layers=layer_grads), ref_grads) < TOL
 
 
 def test_autodiff_reference_and_forward_only_path_match():
