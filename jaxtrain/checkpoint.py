@@ -1,8 +1,11 @@
 """Orbax CheckpointManager: async saves every N steps and at the end, keep K, auto-resume.
 
-A checkpoint holds the train state (params, optimizer state, step) and the data iterator's
-position. The model has no stochastic layers, so the seed in config.json is the whole RNG
-state. Restores go straight onto the current mesh's shardings, whatever mesh saved them.
+A checkpoint holds the train state (params, optimizer state, step), the data iterator's
+position and the layer order of its layer-stacked leaves (layer_order.py: model order, or a
+pipeline's chunk order). The model has no stochastic layers, so the seed in config.json is the
+whole RNG state. Restores go straight onto the current mesh's shardings, whatever mesh saved
+them; a checkpoint written in another layer order (another pipeline layout) is read in its own
+order and converted once.
 """
 from __future__ import annotations
 
@@ -10,8 +13,13 @@ import pathlib
 
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain import layer_order
 from jaxtrain.config import CheckpointConfig, ConfigError
+from jaxtrain.layer_order import LayerOrder
+
+LAYOUT_ITEM = "layout"
 
 
 class CheckpointMismatchError(ConfigError):
@@ -26,22 +34,43 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": ocp.JsonCheckpointHandler()})
+                           "data": ocp.JsonCheckpointHandler(),
+                           LAYOUT_ITEM: ocp.JsonCheckpointHandler()})
         self.cfg = cfg
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, data_state: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=True)
+    def save(self, step: int, state, data_state: dict, order: LayerOrder | None = None) -> None:
+        """Save asynchronously; `order`: the layer order of state's layer-stacked leaves."""
+        items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state)}
+        if order is not None:
+            items[LAYOUT_ITEM] = ocp.args.JsonSave(layer_order.to_json(order))
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def restore(self, step: int, abstract_state):
-        """Restore `step` onto the shardings of `abstract_state` (ShapeDtypeStructs)."""
-        self._check_shapes(step, abstract_state)
+    def saved_order(self, step: int, num_layers: int) -> LayerOrder:
+        return read_layer_order(self.directory / str(step), num_layers)
+
+    def restore(self, step: int, abstract_state, order: LayerOrder | None = None):
+        """Restore `step` onto the shardings of `abstract_state` (ShapeDtypeStructs), whose
+        layer-stacked leaves are in `order` (default: as saved)."""
+        saved = order
+        if order is not None:
+            saved = self.saved_order(step, order.num_layers)
+            if saved.num_layers != order.num_layers:
+                raise CheckpointMismatchError(
+                    f"checkpoint {self.directory}/{step} holds {saved.num_layers} layers but the "
+                    f"configured model has {order.num_layers}; use a fresh train.workdir")
+        target = abstract_state if saved == order else _in_order(abstract_state, saved)
+        self._check_shapes(step, target)
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return restored["state"], restored["data"]
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        state = restored["state"]
+        if saved != order:
+            shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
+            state = jax.jit(lambda s: layer_order.convert(s, saved, order),
+                            out_shardings=shardings)(state)
+        return state, restored["data"]
 
     def _check_shapes(self, step, abstract_state):
         meta = self.manager.item_metadata(step)
@@ -76,3 +105,24 @@ class Checkpointer:
 
 def _path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def read_layer_order(step_dir: str | pathlib.Path, num_layers: int) -> LayerOrder:
+    """The layer order a checkpoint step folder was written in (model order when it recorded
+    none: checkpoints from before the pipeline stored layers in chunk order)."""
+    item = pathlib.Path(step_dir) / LAYOUT_ITEM
+    if not item.is_dir():
+        return LayerOrder.natural(num_layers)
+    d = ocp.JsonCheckpointHandler().restore(item, ocp.args.JsonRestore())
+    return layer_order.from_json(d, num_layers)
+
+
+def _in_order(abstract_state, order: LayerOrder):
+    """abstract_state with its layer-stacked leaves resized to `order`'s rows; their layers dim
+    unsharded (another pipeline layout's rows need not split over this mesh's stages)."""
+    def resize(a):
+        sh = a.sharding
+        if isinstance(sh, NamedSharding):
+            sh = NamedSharding(sh.mesh, P(None, *tuple(sh.spec)[1:]))
+        return jax.ShapeDtypeStruct((len(order.rows), *a.shape[1:]), a.dtype, sharding=sh)
+    return layer_order.map_blocks(resize, abstract_state)

@@ -465,7 +465,13 @@ def read_checkpoint(path: str | pathlib.Path, step: int | None = None) -> tuple[
         raise HfConversionError(f"{workdir} has no config.json (the trainer writes it); cannot "
                                 "tell the model's shape")
     cfg = from_dict(json.loads((workdir / "config.json").read_text()))
-    return _restore_params(step_dir / "state"), cfg
+    # a pipelined run stores its layers in chunk order: back to model order
+    from jaxtrain.checkpoint import read_layer_order
+    from jaxtrain.layer_order import LayerOrder, convert
+    L = cfg.model.num_layers
+    params = convert(_restore_params(step_dir / "state"), read_layer_order(step_dir, L),
+                     LayerOrder.natural(L))
+    return params, cfg
 
 
 def _restore_params(state_dir: pathlib.Path) -> dict:

@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.layer_order import LayerOrder
 from jaxtrain.pipeline_schedule import Schedule, ScheduleError, StepTable, build_schedule
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
@@ -102,52 +103,26 @@ def chunk_layer_counts(num_layers: int, stages: int, virtual_stages: int = 1,
     return np.repeat(np.asarray(counts)[:, None] // v, v, axis=1)
 
 
-def _layer_index(counts_PV: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(natural layer index [p, v, Lc], real mask [p, v, Lc]) with Lc the largest chunk.
-
-    Virtual stage g = j*p + r holds the layers after those of virtual stages 0..g-1."""
-    p, v = counts_PV.shape
-    lc = int(counts_PV.max())
-    start_G = np.concatenate([[0], np.cumsum(counts_PV.T.reshape(-1))])[:-1]  # g = j*p + r
-    start_PV = start_G.reshape(v, p).T
-    index = start_PV[..., None] + np.arange(lc)
-    real = np.arange(lc) < counts_PV[..., None]
-    return np.where(real, index, 0), real
-
-
 def stack_stages(layers: Any, stages: int, virtual_stages: int = 1,
                  stage_layers: Optional[Sequence[int]] = None) -> Any:
     """Leaves [L, ...] -> [p, v, Lc, ...]; the layers of virtual stage g = j*p + r go to [r, j].
 
     With uneven stage_layers every chunk is padded to the largest (Lc); padding rows are zero
-    and the executor skips them (chunk_fn gets the real count)."""
+    and chunk_fn must skip them. (A pipelined train state stores its layers in this order
+    already, see layer_order: there this is a local reshape.)"""
     p, v = stages, virtual_stages
     L = jax.tree.leaves(layers)[0].shape[0]
-    counts = chunk_layer_counts(L, p, v, stage_layers)
-    if (counts == counts.flat[0]).all():
-        # equal chunks: a reshape, local to each stage when [L] is sharded over `stage`
-        def stack(a):
-            a = a.reshape((v, p, a.shape[0] // (p * v)) + a.shape[1:])
-            return jnp.swapaxes(a, 0, 1)
-        return jax.tree.map(stack, layers)
-    index, real = _layer_index(counts)
-
-    def gather(a):
-        mask = real.reshape(real.shape + (1,) * (a.ndim - 1))
-        return jnp.where(mask, a[index], jnp.zeros((), a.dtype))
-    return jax.tree.map(gather, layers)
+    order = LayerOrder.chunks(chunk_layer_counts(L, p, v, stage_layers))
+    return jax.tree.map(lambda a: order.from_natural(a).reshape((p, v, -1) + a.shape[1:]),
+                        layers)
 
 
 def unstack_stages(chunks: Any, stage_layers: Optional[Sequence[int]] = None) -> Any:
     """Inverse of stack_stages: [p, v, Lc, ...] -> [L, ...] (padding dropped)."""
-    leaf = jax.tree.leaves(chunks)[0]
-    p, v, lc = leaf.shape[:3]
-    counts = chunk_layer_counts(p * v * lc if stage_layers is None else sum(stage_layers), p, v,
-                                stage_layers)
-    index, real = _layer_index(counts)
-    order = np.argsort(index[real], kind="stable")      # real rows sorted by natural layer
-    rows = np.flatnonzero(real.reshape(-1))[order]
-    return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[3:])[rows], chunks)
+    p, v, lc = jax.tree.leaves(chunks)[0].shape[:3]
+    L = p * v * lc if stage_layers is None else sum(stage_layers)
+    order = LayerOrder.chunks(chunk_layer_counts(L, p, v, stage_layers))
+    return jax.tree.map(lambda a: order.to_natural(a.reshape((-1,) + a.shape[3:])), chunks)
 
 
 def manual_axes(mesh) -> tuple:

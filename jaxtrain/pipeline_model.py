@@ -151,13 +151,15 @@ class PipelineModel:
 
     def split_params(self, params, fp8_meta=None):
         """(chunks ([p, v, Lc, ...] layer states, [p, v, Lc] modes), head params, embed params)
-        of the pure-dict params (and FP8 metas, which go with their layers)."""
+        of the train state's pure-dict params (and FP8 metas, which go with their layers)."""
         cfg = self.setup.cfg
         metas = None if fp8_meta is None else {"blocks": fp8_meta["blocks"]}
         blocks = self.bind({"blocks": params["blocks"]}, metas).block_fn()[1]
-        modes = jnp.asarray(self.layer_modes(fp8_meta is not None))
-        chunks = pl.stack_stages((blocks, modes), self.schedule.stages,
-                                 self.schedule.virtual_stages, self.stage_layers)
+        modes = jnp.asarray(self.setup.layer_order.from_natural(
+            self.layer_modes(fp8_meta is not None)))
+        # stored in chunk order (layer_order): a local reshape to [p, v, Lc, ...]
+        p, v = self.schedule.stages, self.schedule.virtual_stages
+        chunks = jax.tree.map(lambda a: a.reshape((p, v, -1) + a.shape[1:]), (blocks, modes))
         head = {"final_norm": params["final_norm"]}
         head.update({"embed": params["embed"]} if cfg.model.tie_embeddings
                     else {"lm_head": params["lm_head"]})

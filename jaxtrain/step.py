@@ -28,12 +28,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import attention as attention_lib
 from jaxtrain import fp8 as fp8_lib
+from jaxtrain import layer_order
 from jaxtrain import model as model_lib
 from jaxtrain import optim, pipeline_model, remat, sharding
 from jaxtrain.checkpoint import CheckpointMismatchError
 from jaxtrain.config import Config, ConfigError, RematConfig
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.ledger.memory import padded_vocab
+from jaxtrain.layer_order import LayerOrder
+from jaxtrain.pipeline import chunk_layer_counts
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -52,6 +55,7 @@ class Setup:
     model_cfg: Any
     abstract_meta: Any = None  # nnx.State of the FP8 metas (ShapeDtypeStruct); None: no FP8
     fp8: Optional[fp8_lib.Recipe] = None
+    layer_order: Optional[LayerOrder] = None  # rows of the layer-stacked state (layer_order.py)
 
     def bind(self, params, fp8_meta=None):
         """A Llama module over the pure-dict `params` (works on tracers inside jit), with the
@@ -153,8 +157,14 @@ def build(cfg: Config, mesh: Mesh) -> Setup:
     v = cfg.parallel.virtual_stages if layout["stage"] > 1 else 1
     remat.validate(cfg.remat, [n // v for n in stage_layer_counts(cfg, layout["stage"], v)])
     validate_fp8(cfg, layout["tensor"])
+    order = LayerOrder.natural(cfg.model.num_layers)
+    if layout["stage"] > 1:   # chunk order: each stage's layers in its own rows
+        p = layout["stage"]
+        order = LayerOrder.chunks(chunk_layer_counts(cfg.model.num_layers, p, v,
+                                                     stage_layer_counts(cfg, p, v)))
     model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=padded_vocab(cfg.model.vocab_size, layout["tensor"]))
+        cfg.model, vocab_size=padded_vocab(cfg.model.vocab_size, layout["tensor"]),
+        num_layers=len(order.rows))
     ops = make_ops(cfg, mesh)
     abstract = nnx.eval_shape(lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(0), ops=ops,
                                                       real_vocab=cfg.model.vocab_size))
@@ -170,7 +180,7 @@ def build(cfg: Config, mesh: Mesh) -> Setup:
     compute = sharding.param_specs(logical, shapes, mesh)
     return Setup(cfg, mesh, graphdef, abstract_state, logical, sharding.named(mesh, master),
                  sharding.named(mesh, compute), optim.make_optimizer(cfg.train), model_cfg,
-                 abstract_meta, ops.fp8.recipe if ops.fp8 is not None else None)
+                 abstract_meta, ops.fp8.recipe if ops.fp8 is not None else None, order)
 
 
 def init_fp8_meta(setup: Setup):
@@ -222,21 +232,35 @@ def init_train_state(setup: Setup, seed: int):
     out_shardings = jax.tree.map(lambda s: s.sharding, abstract)
     ops = make_ops(setup.cfg, None)
 
+    order = setup.layer_order
+    natural = LayerOrder.natural(order.num_layers)
+
     def init():
-        model = model_lib.Llama(setup.model_cfg, rngs=nnx.Rngs(seed), ops=ops,
+        # the model's layers in model order, so every layout starts from the same weights
+        model_cfg = dataclasses.replace(setup.model_cfg, num_layers=order.num_layers)
+        model = model_lib.Llama(model_cfg, rngs=nnx.Rngs(seed), ops=ops,
                                 real_vocab=setup.cfg.model.vocab_size)
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = layer_order.convert(nnx.to_pure_dict(nnx.state(model, nnx.Param)), natural,
+                                     order)
         state = {"params": params, "opt_state": setup.optimizer.init(params),
                  "step": jnp.zeros((), jnp.int32)}
         if setup.fp8 is not None:
-            state["fp8_meta"] = nnx.to_pure_dict(nnx.state(model, model_lib.Fp8MetaState))
+            state["fp8_meta"] = layer_order.convert(
+                nnx.to_pure_dict(nnx.state(model, model_lib.Fp8MetaState)), natural, order)
         return state
     return jax.jit(init, out_shardings=out_shardings)()
 
 
 def train_state_from_params(setup, params: dict):
-    """A fresh train state (step 0, new optimizer state) around `params`, on `setup`'s
-    shardings: how a run starts from imported weights. Pads the vocab to the setup's."""
+    """A fresh train state (step 0, new optimizer state) around `params` (layers in model
+    order), on `setup`'s shardings: how a run starts from imported weights. Pads the vocab to
+    the setup's."""
+    order = setup.layer_order
+    have_layers = layer_order.stored_rows(params)
+    if have_layers is not None and have_layers != order.num_layers:
+        raise CheckpointMismatchError(f"params have {have_layers} layers but the configured "
+                                      f"model has model.num_layers={order.num_layers}")
+    params = layer_order.convert(params, LayerOrder.natural(order.num_layers), order)
     abstract = abstract_train_state(setup)
     want = dict(jax.tree_util.tree_flatten_with_path(abstract["params"])[0])
     have = dict(jax.tree_util.tree_flatten_with_path(params)[0])

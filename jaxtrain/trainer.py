@@ -102,7 +102,8 @@ def train(cfg: Config, *, log=print) -> dict:
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
     latest = ckpt.latest_step() if cfg.checkpoint.resume else None
     if latest is not None:
-        state, data_state = ckpt.restore(latest, step_lib.abstract_train_state(setup))
+        state, data_state = ckpt.restore(latest, step_lib.abstract_train_state(setup),
+                                         setup.layer_order)
         train_batches.set_state(data_state)
         log(f"resumed from {ckpt.directory}/{latest}")
     elif cfg.checkpoint.init_from:
@@ -151,7 +152,7 @@ def train(cfg: Config, *, log=print) -> dict:
                 writer.write(done, {"eval_loss": loss})
                 last_logged = {**last_logged, "eval_loss": loss}
             if saving:
-                ckpt.save(done, state, data_state)
+                ckpt.save(done, state, data_state, setup.layer_order)
             if exiting and done < cfg.train.steps:
                 writer.console(f"exiting at step {done} (train.exit_interval); rerun to resume")
                 break

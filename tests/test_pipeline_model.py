@@ -1,9 +1,7 @@
 """The Llama model on the pipeline equals the unpipelined train step (fp32, 8 fake devices).
 
-step.build refuses parallel.stage > 1 until the pipeline is wired into the trainer, so the
-setups here are built with that one check lifted and with the change the lead is asked to make
-to the rules table ('layers' parameters sharded over 'stage'). Every layout gets the same
-params (8 layers, vocab 512) and batch; the reference is step.loss_and_grads on one device.
+Every layout gets the same params (4 layers, vocab 512, in model order; each setup stores them
+in its own layer order) and batch; the reference is step.loss_and_grads on one device.
 Compiling dominates the run time, so the layouts are a representative subset: p in {2, 4},
 v in {1, 2}, m in {4, 8}, all three schedules, with data, tensor and fsdp filling the rest.
 """
@@ -15,7 +13,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxtrain import hlo, pipeline_model, sharding, step
+from jaxtrain import hlo, layer_order, pipeline_model, sharding, step
+from jaxtrain.layer_order import LayerOrder
 from util import random_batch, tiny_config
 
 BASE = ("--model.vocab_size=512", "--model.num_layers=4", "--train.global_batch=16",
@@ -53,6 +52,8 @@ def build_setup(cfg, devices):
 
 
 def place(setup, params, batch):
+    """Params in model order -> the setup's layer order and shardings; the batch sharded."""
+    params = layer_order.convert(params, LayerOrder.natural(4), setup.layer_order)
     batch_sh = NamedSharding(setup.mesh, sharding.batch_spec(setup.mesh))
     return (jax.device_put(params, setup.param_shardings),
             {k: jax.device_put(v, batch_sh) for k, v in batch.items()})
@@ -94,7 +95,8 @@ def pipelined(name):
     args = place(setup, params, batch)
     compiled = compile_fast(pipeline_model.loss_and_grads(setup), *args)
     loss, tokens, grads, _ = compiled(*args)
-    return setup, float(loss), float(tokens), jax.device_get(grads), compiled
+    grads = layer_order.convert(jax.device_get(grads), setup.layer_order, LayerOrder.natural(4))
+    return setup, float(loss), float(tokens), grads, compiled
 
 
 def max_diff(a, b):
@@ -126,6 +128,19 @@ def test_data_parallel_reduction_happens_once_after_the_schedule_loop():
                for c in colls)
     assert any(c.kind == "all-reduce" and not c.in_loop and "data" in (c.axes or ())
                for c in colls)
+
+
+@pytest.mark.parametrize("name", ["interleaved_p2_v2_m4_tensor2_sp_data2",
+                                  "1f1b_p2_m4_first1_tensor2_data2_remat"])
+def test_layers_stored_in_chunk_order_never_move_between_stages(name):
+    """Interleaved and uneven chunks hold layers out of model order; stored in chunk order
+    (layer_order) each rank already has its own. In model order this step had 18 all-to-alls
+    (interleaved) or 18 collective-permutes (uneven) over `stage` per step; now the only
+    `stage` collective outside the schedule loop is the one gradient all-reduce."""
+    setup, *_, compiled = pipelined(name)
+    outside = {(c.kind, c.axes) for c in hlo.collectives(compiled, setup.mesh)
+               if "stage" in (c.axes or ()) and not c.in_loop}
+    assert outside == {("all-reduce", ("stage", "data"))}
 
 
 def test_forward_only_eval_sums_match():

@@ -1,0 +1,49 @@
+"""Layer orders: the pipeline's chunk order, padding, and conversion of whole train states."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain import layer_order
+from jaxtrain.layer_order import PAD, LayerOrder
+
+
+def test_chunk_order_puts_each_ranks_chunks_together():
+    # p=2, v=2, even: virtual stage g = j*p + r; rank 0 holds g=0 (layer 0), g=2 (layer 2)
+    assert LayerOrder.chunks(np.array([[1, 1], [1, 1]])).rows == (0, 2, 1, 3)
+    # v=1, even: model order
+    assert LayerOrder.chunks(np.array([[2], [2]])).is_natural
+    # uneven (1, 3) layers over 2 stages: rank 0's chunk padded to 3 rows
+    order = LayerOrder.chunks(np.array([[1], [3]]))
+    assert order.rows == (0, PAD, PAD, 1, 2, 3) and order.num_layers == 4
+
+
+@pytest.mark.parametrize("xp", [np, jnp])
+def test_round_trip_and_zero_padding(xp):
+    order = LayerOrder.chunks(np.array([[1, 1], [3, 3]]))    # 8 layers, p=2, v=2, Lc=3
+    a = xp.arange(8.0)[:, None] + xp.zeros((8, 2))
+    stored = order.from_natural(a)
+    assert stored.shape == (12, 2)
+    np.testing.assert_array_equal(np.asarray(stored)[:, 0],
+                                  [0, 0, 0, 4, 0, 0, 1, 2, 3, 5, 6, 7])
+    np.testing.assert_array_equal(order.to_natural(stored), a)
+
+
+def test_convert_touches_only_layer_stacked_leaves_of_a_state():
+    natural, chunked = LayerOrder.natural(4), LayerOrder.chunks(np.array([[1, 1], [1, 1]]))
+    state = {"params": {"blocks": {"w": np.arange(4)}, "embed": np.arange(4)},
+             "opt_state": ({"mu": {"blocks": {"w": np.arange(4) * 10}}},), "step": np.int32(3)}
+    out = layer_order.convert(state, natural, chunked)
+    np.testing.assert_array_equal(out["params"]["blocks"]["w"], [0, 2, 1, 3])
+    np.testing.assert_array_equal(out["opt_state"][0]["mu"]["blocks"]["w"], [0, 20, 10, 30])
+    np.testing.assert_array_equal(out["params"]["embed"], np.arange(4))
+    assert layer_order.stored_rows(out) == 4
+    back = layer_order.convert(out, chunked, natural)
+    np.testing.assert_array_equal(back["params"]["blocks"]["w"], np.arange(4))
+    with pytest.raises(ValueError, match="hold 4 model layers but this model has 6"):
+        layer_order.convert(state, natural, LayerOrder.natural(6))
+
+
+def test_json_round_trip_and_old_checkpoints_read_as_model_order():
+    order = LayerOrder.chunks(np.array([[1], [3]]))
+    assert layer_order.from_json(layer_order.to_json(order), 4) == order
+    assert layer_order.from_json(None, 4) == LayerOrder.natural(4)
