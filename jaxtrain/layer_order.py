@@ -16,7 +16,7 @@ so a run restores them under any other layout (`convert`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
