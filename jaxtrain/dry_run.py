@@ -34,25 +34,23 @@ Dotted overrides apply first, so an explicit layout that fits (e.g. --parallel.t
 one (step.loss_and_grads dispatches to pipeline_model: the lock-step shard_map executor).
 
 What is compared, per device (fake CPU devices report memory_analysis() per device), against
-the ledger's estimate on the compiled layout (its worst pipeline stage):
+the ledger's estimate on the compiled layout (its worst pipeline stage; with stages the ledger
+models the lock-step executor itself, see jaxtrain.ledger.pipeline):
 - memory: the compiled step's arguments (fp32 master params + Adam m, v, the batch) against the
   ledger's 12 optimizer bytes per parameter; its temporaries (activations, the compute-dtype
   parameter copy, fp32 gradients and accumulators, logits, workspace) against the ledger's
-  bf16 copy + gradients + activations + reserve; the totals. Pipelined, the ledger counts
-  Megatron's stored activations for the schedule's in-flight microbatches, while the executor
-  stashes only chunk inputs and recomputes a chunk in its backward step: the output also gives
-  the ledger's temporaries with the executor's activations (stash + one chunk's working set).
+  bf16 copy + gradients + activations + reserve; the totals.
 - communication: ring wire bytes per mesh axis per step of the compiled collectives (CPU's
-  all-reduce-then-slice counted as the reduce-scatter a GPU emits) against the ledger's TP, DP,
-  FSDP and PP volumes, which use the same convention. The stage axis is split by kind: the
-  executor's collective-permutes (one activation-sized send right and one cotangent-sized send
-  left per table step, idle steps included) against the ledger's PP bytes and the table's own
-  count; whatever else crosses stage (gradient sums of the replicated embedding and head,
-  parameter resharding) is listed with what it is.
-- FLOPs: the ledger's model FLOPs per device against the compiled matmuls (loops counted by
-  trip count) and XLA's cost_analysis (which counts a scanned layer's body once). Pipelined,
-  the lock-step table predicts the compiled count: every table step's F and B (a B recomputes
-  its chunk) and the head, both branches of each conditional counted, as the HLO reader does.
+  all-reduce-then-slice counted as the reduce-scatter a GPU emits) against the ledger's
+  volumes, which use the same convention. The stage axis is split by kind: the executor's
+  collective-permutes against the ledger's PP sends; the rest (the all-reduce of the
+  replicated embedding and head gradients, parameter resharding) listed with what it is.
+  The HLO reader counts a conditional's collectives in every table step, where the ledger
+  counts the chunk passes the executor runs; the output gives the factor.
+- FLOPs: the ledger's model and hardware FLOPs per device against the compiled matmuls (loops
+  counted by trip count) and XLA's cost_analysis (which counts a scanned layer's body once).
+  Pipelined, every table step's F and B branches (a B recomputes its chunk) and the head are
+  counted, as the HLO reader does, which predicts the compiled count.
 """
 from __future__ import annotations
 
@@ -62,7 +60,9 @@ import math
 import time
 
 from jaxtrain.config import Config, ConfigError
-from jaxtrain.ledger import Estimate, Gpu, Layout, LayoutError, describe, estimate, get_gpu
+from jaxtrain.ledger import (Estimate, Executor, Gpu, Layout, LayoutError, describe, estimate,
+                             get_gpu)
+from jaxtrain.ledger.memory import layer_params_local, padded_vocab, workspace_bytes
 from jaxtrain.ledger.hardware import GB, GiB
 from jaxtrain.ledger.layout import layout_from_config, stage_layer_counts
 
@@ -328,63 +328,6 @@ def _scaled(cfg: Config, planned: Planned, n: int, uneven_refused: str,
     return out, changes
 
 
-# ----------------------------------------------------------------------------- the pipeline
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineTable:
-    """What the lock-step executor runs per train step for a layout, from its schedule's table
-    (per device: every rank advances one table step at a time)."""
-    schedule: str
-    stages: int
-    virtual_stages: int
-    microbatches: int
-    steps: int               # table steps, idle ones included
-    f_steps: int             # steps in which some rank runs an F
-    b_steps: int             # steps in which some rank runs a B (recompute + backward)
-    head_steps: int          # steps in which the last virtual stage runs its B (the head)
-    stash_slots: int         # chunk inputs the busiest rank holds at once
-    grad_slots: int          # cotangents waiting on the busiest rank
-    chunk_layers: int        # layers of the largest chunk (smaller ones are padded to it)
-    activation_bytes: float  # one microbatch's chunk input on one device: what one send moves
-
-    @property
-    def send_bytes(self) -> float:
-        """Wire bytes per device per step of the executor's collective-permutes: every table
-        step sends one activation right and one cotangent left, idle steps included."""
-        return 2 * self.steps * self.activation_bytes
-
-    def activations(self, cfg: Config, layout: Layout, flash: bool) -> tuple[float, float]:
-        """(stash bytes, one chunk's stored activations): the executor keeps only chunk inputs
-        (and waiting cotangents, and the two receive buffers) between a chunk's F and B, and
-        recomputes the chunk in its B, so at most one chunk's activations live at once."""
-        from jaxtrain.ledger import memory
-        stash = (self.stash_slots + self.grad_slots + 2) * self.activation_bytes
-        chunk = memory.stage_activations(cfg, layout, cfg.remat, flash, cfg.train.seq_len,
-                                         self.chunk_layers, self.chunk_layers).total
-        return stash, chunk
-
-    def matmul_flops(self, cfg: Config, layout: Layout) -> tuple[float, float]:
-        """(as the HLO reader counts them, as executed) per device per step.
-
-        Every step holds a conditional F (one chunk forward) and a conditional B (the chunk's
-        forward again, its backward at twice that, and the head's forward and backward); the
-        HLO reader counts every branch in every step. Executed: F in f_steps, B in b_steps,
-        the head in head_steps."""
-        from jaxtrain.ledger import memory
-        m, t, seq = cfg.model, layout.tensor, cfg.train.seq_len
-        tokens = layout.micro_batch * seq / layout.context
-        layer = 2 * memory.layer_params_local(cfg, t) \
-            + 4 * m.num_heads * m.resolved_head_dim * seq / t
-        chunk = tokens * self.chunk_layers * layer
-        head = tokens * 2 * m.hidden_size * memory.padded_vocab(m.vocab_size, t) / t
-        counted = self.steps * (4 * chunk + 3 * head)
-        executed = self.f_steps * chunk + self.b_steps * 3 * chunk + self.head_steps * 3 * head
-        return counted, executed
-
-
 def _human_bytes(x: float) -> str:
     for unit, size in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if x >= size:
@@ -392,24 +335,17 @@ def _human_bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def pipeline_table(cfg: Config, layout: Layout) -> PipelineTable | None:
-    """The executor's table for a layout; None without pipeline stages."""
-    if layout.stage == 1:
-        return None
-    from jaxtrain.pipeline_schedule import build_schedule
-    p, v, m = layout.stage, layout.virtual_stages, layout.microbatches
-    table = build_schedule(layout.schedule, p, m, v).table
-    cols = table.columns
-    act = (layout.micro_batch * cfg.train.seq_len / layout.context * cfg.model.hidden_size
-           * _DTYPE_BYTES[cfg.model.compute_dtype]
-           / (layout.tensor if layout.sequence_parallel else 1))
-    return PipelineTable(
-        schedule=layout.schedule, stages=p, virtual_stages=v, microbatches=m,
-        steps=table.num_steps, f_steps=int((cols["f_chunk"] >= 0).any(1).sum()),
-        b_steps=int((cols["b_chunk"] >= 0).any(1).sum()),
-        head_steps=int((cols["b_chunk"][:, p - 1] == v - 1).sum()),
-        stash_slots=max(table.stash_slots), grad_slots=max(table.grad_slots),
-        chunk_layers=max(stage_layer_counts(cfg, p, v)) // v, activation_bytes=act)
+def branch_matmul_flops(cfg: Config, layout: Layout, ex: Executor) -> float:
+    """Matmul FLOPs per device per step as the HLO reader counts the executor: every branch of
+    every table step, i.e. a chunk forward (F) and a B (the chunk's forward again, its backward
+    at twice that, the head's forward and backward) in each of its steps (remat none)."""
+    m, t, seq = cfg.model, layout.tensor, cfg.train.seq_len
+    tokens = layout.micro_batch * seq / layout.context
+    layer = (2 * layer_params_local(cfg, t)
+             + 4 * m.num_heads * m.resolved_head_dim * seq / t)
+    chunk = tokens * ex.chunk_layers * layer
+    head = tokens * 2 * m.hidden_size * padded_vocab(m.vocab_size, t) / t
+    return ex.steps * (4 * chunk + 3 * head)
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -429,46 +365,32 @@ class DryRun:
     lower_s: float
     compile_s: float
     device_kind: str
-    pipeline: PipelineTable | None = None   # the executor's table when stage > 1
 
     @property
     def n_devices(self) -> int:
         return self.estimate.n_devices
+
+    @property
+    def executor(self) -> Executor | None:
+        """The ledger's pipeline executor (its lock-step table); None without stages."""
+        return self.estimate.executor
 
     def ledger_memory(self) -> dict[str, float]:
         e = self.estimate
         s = e.static_breakdown
         temps = s["param"] + s["grad"] + s.get("fsdp_buffers", 0.0) + e.activation_bytes \
             + e.reserve_bytes
-        return {"state": s["optimizer"], "temp": temps, "total": e.total_bytes}
+        return {"state": s["optimizer"], "temp": temps, "total": e.total_bytes,
+                "temp_no_workspace": temps - workspace_bytes(self.cfg)}
 
-    def executor_temp(self) -> float | None:
-        """The ledger's temporaries with the pipeline executor's activations in place of
-        Megatron's stored ones; None without pipeline stages."""
-        if self.pipeline is None:
-            return None
-        stash, chunk = self.pipeline.activations(self.cfg, self.estimate.layout,
-                                                 self.estimate.flash)
-        return self.ledger_memory()["temp"] - self.estimate.activation_bytes + stash + chunk
-
-    def lockstep_layer_factor(self) -> float:
-        """Compiled over ledger layer traffic (TP, FSDP) from lock-step alone: the HLO counts a
-        chunk's collectives 3 times a table step (F, recomputed F, backward), the ledger twice
-        per (microbatch, virtual stage). 1 without pipeline stages."""
-        t = self.pipeline
-        if t is None:
+    def hlo_pass_factor(self) -> float:
+        """Compiled over ledger layer traffic (TP, FSDP) from counting alone: the HLO reader
+        counts a chunk's collectives in every table step's F and B branches (3 chunk passes),
+        the ledger the passes the executor runs. 1 without stages."""
+        ex = self.executor
+        if ex is None:
             return 1.0
-        return 3 * t.steps / (2 * t.microbatches * t.virtual_stages)
-
-    def replicated_head_bytes(self) -> float:
-        """fp32 master + Adam bytes of the vocab table the ledger's worst stage does not hold:
-        the executor keeps the embedding and the head on every stage rank."""
-        from jaxtrain.ledger import memory
-        L, m = self.estimate.layout, self.cfg.model
-        if L.stage == 1 or m.tie_embeddings:
-            return 0.0
-        table = memory.padded_vocab(m.vocab_size, L.tensor) * m.hidden_size / L.tensor
-        return table * memory.held_bytes_per_param(L)["optimizer"]
+        return 3 * ex.steps / (ex.forward_passes + ex.backward_passes)
 
     def comm_by_axes(self) -> dict[tuple, tuple[float | None, float | None]]:
         """axes -> (ledger bytes, compiled wire bytes) per device per step."""
@@ -476,9 +398,12 @@ class DryRun:
         compiled: dict = {}
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
             compiled[axes] = compiled.get(axes, 0.0) + b
-        c = self.estimate.comm_bytes
+        c, L = self.estimate.comm_bytes, self.estimate.layout
+        # The executor sums the replicated vocab tables' gradients over stage (and data).
+        vocab_axes = ("stage",) if L.data == 1 else ("stage", "data")
         ledger = {("tensor",): c["tp"], ("data",): c["dp"], ("fsdp",): c["fsdp"],
                   ("stage",): c["pp"]}
+        ledger[vocab_axes] = ledger.get(vocab_axes, 0.0) + c["vocab"]
         keys = [k for k in ledger if ledger[k] or k in compiled]
         keys += sorted((k for k in compiled if k not in ledger), key=str)
         return {k: (ledger.get(k), compiled.get(k)) for k in keys}
@@ -495,96 +420,77 @@ class DryRun:
                 row[4] += c.bytes_per_step
         return out
 
-    def _format_stage_comm(self, gb, unit: str, scale: float) -> list[str]:
-        t, L = self.pipeline, self.estimate.layout
-        mib = _human_bytes
-        out, sends = [], 2 * L.microbatches * L.virtual_stages
-        for (kind, in_loop), row in sorted(self.stage_comm().items()):
-            wire, runs, payload, shape, payload_total = row
+    def _format_stage_comm(self, gb) -> list[str]:
+        e, ex, mib = self.estimate, self.executor, _human_bytes
+        out = []
+        for (kind, in_loop), (wire, runs, payload, shape, payload_total) in sorted(
+                self.stage_comm().items()):
             if kind == "collective-permute" and in_loop:
-                what = (f"{runs} runs x {mib(payload)}: activations right, cotangents left; "
-                        f"the table: {t.steps} steps x 2 x {mib(t.activation_bytes)} = "
-                        f"{t.send_bytes / scale:.3f} {unit}")
+                what = (f"{runs} x {mib(payload)}: activations right, cotangents left (ledger "
+                        f"PP: {ex.steps} steps x 2 sends x {mib(e.chunk_input_bytes)})")
                 if shape.startswith("f32") and self.cfg.model.compute_dtype != "float32":
-                    what += (f" in {self.cfg.model.compute_dtype} (XLA:CPU carries them as f32, "
-                             "2x)")
+                    what += f"; XLA:CPU carries {self.cfg.model.compute_dtype} as f32 (2x)"
             elif in_loop:
                 what = f"{runs} runs inside the schedule loop"
+            elif kind == "all-reduce":
+                what = f"after the loop, {mib(payload_total)}: the loss" + (
+                    f" and the replicated embedding/head gradients (ledger vocab "
+                    f"{gb(e.comm_bytes['vocab']).strip()})" if e.layout.data == 1 else "")
             else:
-                what = (f"outside the schedule loop: {runs} op(s), {mib(payload_total)} in all; "
-                        + ("e.g. the loss and the gradients of what every stage holds "
-                           "(embedding, head, final norm)" if kind == "all-reduce" else
-                           "e.g. layers moved between their stored order and the chunks' "
-                           "(parameters in, gradients out)"))
+                what = (f"outside the loop, {mib(payload_total)}: layers moved between their "
+                        "stored order and the chunks'")
             out.append(f"    {kind:20}  {'':>10}  {gb(wire):>10}   {what}")
-        out.append(
-            f"  the lock-step executor sends one activation-sized ppermute right and one left in "
-            f"each of its {t.steps} table steps, idle ones included; the ledger's PP counts "
-            f"2 x {L.microbatches} microbatches x {L.virtual_stages} virtual stage(s) = "
-            f"{sends} sends of {mib(self.estimate.comm_bytes['pp'] / sends)} (s.b.h x 2 bytes "
-            "/ tensor)")
         return out
 
     def format(self) -> str:
         from jaxtrain import hlo
-        e, L, mem, pt = self.estimate, self.estimate.layout, self.memory, self.pipeline
+        e, L, mem, ex = self.estimate, self.estimate.layout, self.memory, self.executor
         out = [format_planned(self.planned, self.config_name), ""]
-        head = (f"dry run on {self.n_devices} x {self.device_kind}: {L.short()}, global_batch "
-                f"{self.cfg.train.global_batch}, seq {self.cfg.train.seq_len}")
-        out.append(head)
+        out.append(f"dry run on {self.n_devices} x {self.device_kind}: {L.short()}, global_batch "
+                   f"{self.cfg.train.global_batch}, seq {self.cfg.train.seq_len}")
         if self.changes:
             out.append("  scaled from the planned layout to the present devices (model unchanged):")
             out += [f"    {c}" for c in self.changes]
         else:
             out.append("  the configured layout, unchanged")
-        if pt is not None:
+        if ex is not None:
             out.append(
-                f"  pipelined: {pt.schedule}, {pt.stages} stages x {pt.virtual_stages} virtual "
-                f"stages of {pt.chunk_layers} layers, {pt.microbatches} microbatches; lock-step "
-                f"table of {pt.steps} steps (F in {pt.f_steps}, B in {pt.b_steps}); ledger "
-                f"bubble {e.bubble:.1%}")
+                f"  pipelined: {ex.schedule}, {ex.stages} stages x {ex.virtual_stages} virtual "
+                f"stages of {ex.chunk_layers} layers, {ex.microbatches} microbatches; lock-step "
+                f"table of {ex.steps} steps (F in {ex.f_steps}, B in {ex.b_steps}); bubble "
+                f"{e.bubble:.1%} (Megatron), {e.lockstep_bubble:.1%} (the table)")
         out.append(f"  lowered in {self.lower_s:.1f} s, compiled in {self.compile_s:.1f} s from "
                    "abstract parameters: nothing allocated")
+
         lm = self.ledger_memory()
         big = max([v for v in (*lm.values(), *mem.values()) if v] or [0])
         unit, scale = ("GiB", GiB) if big >= GiB else ("MiB", 2 ** 20)
         out += ["", f"memory per device, {unit}   ledger ({e.gpu.name} formulas, remat {e.remat}, "
-                f"{'flash' if e.flash else 'XLA attention: s x s scores'}"
-                + (f", worst stage {e.worst_stage}" if L.stage > 1 else "")
-                + ")   vs   compiled (memory_analysis)"]
-        gib = lambda x: "n/a" if x is None else f"{x / scale:10.2f}"  # noqa: E731
-        rows = [
-            ("state: fp32 master + Adam m, v", lm["state"], mem["argument_bytes"],
-             "arguments (state + batch)"),
-            ("bf16 params + grads + activations + reserve", lm["temp"], mem["temp_bytes"],
-             "temporaries"),
-        ]
-        if pt is not None:
-            stash, chunk = pt.activations(self.cfg, L, e.flash)
-            rows.append(("  the same, the executor's activations", self.executor_temp(), None,
-                         f"stash {stash / scale:.2f} + one {pt.chunk_layers}-layer chunk "
-                         f"{chunk / scale:.2f} for the ledger's {e.inflight_layer_microbatches:g} "
-                         f"layer-microbatches {e.activation_bytes / scale:.2f}"))
-        rows.append(("total", lm["total"], mem["total_bytes"],
-                     "arguments + outputs + temp - donated"))
+                f"{'flash' if e.flash else 'XLA attention: s x s scores'})   vs   compiled "
+                "(memory_analysis)"]
+        rows = [("state: fp32 master + Adam m, v", lm["state"], mem["argument_bytes"],
+                 "arguments (state + batch)"),
+                ("bf16 params + grads + activations + reserve", lm["temp"], mem["temp_bytes"],
+                 "temporaries"),
+                ("  the same without the GPU workspace", lm["temp_no_workspace"], None,
+                 "(XLA:CPU has no cuBLAS/NCCL workspace)"),
+                ("total", lm["total"], mem["total_bytes"], "arguments + outputs + temp - donated")]
         w = max(len(r[0]) for r in rows)
         out.append(f"  {'':{w}}  {'ledger':>10}  {'compiled':>10}")
-        out += [f"  {a:{w}}  {gib(b)}  {gib(c) if c is not None or d != rows[-2][3] else '':>10}"
-                f"   {d}" for a, b, c, d in rows]
+        num = lambda x: "" if x is None else f"{x / scale:.2f}"  # noqa: E731
+        out += [f"  {a:{w}}  {num(b):>10}  {num(c):>10}   {d}" for a, b, c, d in rows]
+        acts = f"activations {e.activation_bytes / scale:.2f}"
+        if ex is not None:
+            chunk = e.activation_bytes - e.pipeline_buffer_bytes
+            acts += (f" (the executor's {ex.buffers} chunk inputs of "
+                     f"{_human_bytes(e.chunk_input_bytes)}: {ex.stash_buffer} stash, "
+                     f"{ex.grad_buffer} cotangent, 2 receive; + one {ex.chunk_layers}-layer chunk "
+                     f"recomputed in a B {chunk / scale:.2f})")
         out.append(f"  ledger terms ({unit}): static {e.static_bytes / scale:.2f} (" + ", ".join(
             f"{k} {v / scale:.2f}" for k, v in e.static_breakdown.items() if v)
-            + f"; {e.bytes_per_param:.1f} B/param), activations "
-            f"{e.activation_bytes / scale:.2f}, reserve {e.reserve_bytes / scale:.2f} (logits + "
-            f"workspace); {e.reason}")
-        if pt is not None:
-            out.append(
-                f"  pipelined: the executor stashes only chunk inputs ({pt.stash_slots} on the "
-                f"busiest rank, with {pt.grad_slots} waiting cotangent(s) and 2 receive buffers, "
-                f"{_human_bytes(pt.activation_bytes)} each) and recomputes a chunk in its B, "
-                "where the ledger stores every layer's activations for the schedule's in-flight "
-                "microbatches (Megatron without recompute). Every stage rank holds the embedding "
-                f"and the head (replicated over stage): {self.replicated_head_bytes() / scale:.2f}"
-                f" {unit} of state more than the ledger's worst stage, which holds one of them")
+            + f"; {e.bytes_per_param:.1f} B/param), {acts}, reserve {e.reserve_bytes / scale:.2f}"
+            f" (logits + workspace); {e.reason}")
+
         comm = self.comm_by_axes()
         big = max([v for pair in comm.values() for v in pair if v] or [0])
         unit, scale = next((u, f) for u, f in (("GB", GB), ("MB", 1e6), ("kB", 1e3), ("B", 1))
@@ -592,39 +498,36 @@ class DryRun:
         out += ["", f"communication per device per step, {unit} (ring wire bytes)"]
         label = lambda a: "?" if a is None else (",".join(a) or "-")  # noqa: E731
         gb = lambda x: "-" if x is None else f"{x / scale:10.3f}"  # noqa: E731
-        kinds = {("tensor",): "TP", ("data",): "DP", ("fsdp",): "FSDP", ("stage",): "PP",
-                 ("stage", "data"): "gradients of the stage-replicated embedding and head "
-                 "summed over stage and data",
-                 (): "1-device groups: no traffic"}
+        kinds = {("tensor",): "TP", ("data",): "DP", ("fsdp",): "FSDP",
+                 ("stage",): "PP" + (" + vocab" if L.data == 1 else ""),
+                 ("stage", "data"): "vocab: the replicated embedding/head gradients, summed "
+                 "over stage and data", (): "1-device groups: no traffic"}
         out.append(f"  {'axes':22}  {'ledger':>10}  {'compiled':>10}")
         for a, (lg, cp) in comm.items():
             out.append(f"  {label(a):22}  {gb(lg):>10}  {gb(cp):>10}   {kinds.get(a, '')}")
-            if a == ("stage",) and pt is not None:
-                out += self._format_stage_comm(gb, unit, scale)
+            if a == ("stage",) and ex is not None:
+                out += self._format_stage_comm(gb)
         if not comm:
             out.append("  none (a single device, or nothing sharded)")
-        if pt is not None:
+        if ex is not None:
             out.append(
-                f"  pipelined: a chunk's TP/FSDP collectives are counted in each of the {pt.steps}"
-                " steps' F and B (B with its recomputed forward), 3 chunk passes a step: "
-                f"{self.lockstep_layer_factor():.3g}x the ledger's 2 x {L.microbatches} "
-                f"microbatches x {L.virtual_stages} virtual stages")
+                f"  pipelined: the HLO counts a chunk's layer collectives in every step's F and B "
+                f"(3 x {ex.steps} chunk passes), the ledger the {ex.forward_passes} forward + "
+                f"{ex.backward_passes} backward passes run: x{self.hlo_pass_factor():.3g}")
         out += ["", "compiled collectives (CPU all-reduce-then-slice counted as reduce-scatter):",
                 hlo.format_summary(self.collectives) if self.collectives else "  none", ""]
-        per_dev = e.model_flops_per_step / self.n_devices
+
+        D = self.n_devices
         xla = "n/a" if self.xla_flops is None else f"{self.xla_flops:.4g}"
-        out.append(f"FLOPs per device per step: ledger model {per_dev:.4g} (with recompute "
-                   f"{e.hfu_flops_per_step / self.n_devices:.4g}); compiled matmuls "
+        out.append(f"FLOPs per device per step: ledger model {e.model_flops_per_step / D:.4g}, "
+                   f"with recompute {e.hfu_flops_per_step / D:.4g}; compiled matmuls "
                    f"{self.matmul_flops:.4g}; XLA cost_analysis {xla} (counts each scanned "
                    "loop body once)")
-        if pt is not None:
-            counted, executed = pt.matmul_flops(self.cfg, L)
+        if ex is not None:
             out.append(
-                f"  pipelined: the table predicts {counted:.4g} compiled matmuls ({pt.steps} "
-                f"steps x (F + B with its recomputed F of a {pt.chunk_layers}-layer chunk + the "
-                "head's forward and backward): the HLO reader counts both branches of each "
-                f"conditional in every step); executed {executed:.4g} (F in {pt.f_steps} steps, "
-                f"B in {pt.b_steps}, the head in {pt.head_steps})")
+                f"  pipelined: every branch of the {ex.steps} steps (F + B with its recomputed "
+                f"F + the head), as the HLO reader counts them: "
+                f"{branch_matmul_flops(self.cfg, L, ex):.4g}")
         return "\n".join(out)
 
 
@@ -664,5 +567,4 @@ def dry_run(cfg: Config, gpu: str | Gpu = "h100", *, devices: int | None = None,
     return DryRun(config_name=config_name, cfg=scaled, planned=planned, changes=changes,
                   estimate=est, memory=hlo.memory(compiled), collectives=colls,
                   matmul_flops=hlo.matmul_flops_from_text(text), xla_flops=xla_flops,
-                  lower_s=t1 - t0, compile_s=t2 - t1, device_kind=present[0].device_kind,
-                  pipeline=pipeline_table(scaled, layout))
+                  lower_s=t1 - t0, compile_s=t2 - t1, device_kind=present[0].device_kind)

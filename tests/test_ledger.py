@@ -70,9 +70,12 @@ def test_hfu_flops_follow_remat():
     assert ledger.hfu_flops_per_token(cfg, full, seq_len=s) == \
         base + 32 * (2 * layer + 4 * 4096 * s)
     assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s) == base + 32 * 4 * 4096 * s
-    # Block: the first 2 layers of each of 4 stages x 2 chunks are recomputed.
+    # Block: the first 2 layers of each of 4 stages x 2 chunks are recomputed, and the pipeline
+    # executor runs every layer's forward once more (each B recomputes its chunk).
+    layer_fwd = 2 * layer + 4 * 4096 * s
     assert ledger.hfu_flops_per_token(cfg, block, (8, 8, 8, 8), 2, s) == \
-        base + 16 * (2 * layer + 4 * 4096 * s)
+        base + 16 * layer_fwd + 32 * layer_fwd
+    assert ledger.hfu_flops_per_token(cfg, none, (8, 8, 8, 8), 2, s) == base + 32 * layer_fwd
     with pytest.raises(ValueError, match="unknown"):
         ledger.recompute_flops_per_token(
             cfg, RematConfig(granularity="selective", modules=("attention_blob",)))
@@ -144,21 +147,7 @@ def test_korthikanti_activations_hand_example():
     assert memory.layer_checkpoint_bytes(cfg, sp, s) == 2 * s * b * h / t
 
 
-def test_inflight_microbatches_by_schedule():
-    layers = (24, 24, 24, 24)  # L = 96, p = 4
-    one_f_one_b = ledger.Layout(stage=4, microbatches=16)
-    assert memory.inflight_layer_microbatches(one_f_one_b, layers)[0] == 96  # = L
-    interleaved = ledger.Layout(stage=4, virtual_stages=3, microbatches=16,
-                                schedule="interleaved_1f1b")
-    assert memory.inflight_layer_microbatches(interleaved, layers)[0] == pytest.approx(
-        96 * (1 + 3 / (4 * 3)))
-    gpipe = ledger.Layout(stage=4, microbatches=16, schedule="gpipe")
-    assert memory.inflight_layer_microbatches(gpipe, layers)[0] == 16 * 24
-    few = ledger.Layout(stage=4, microbatches=2)
-    assert memory.inflight_layer_microbatches(few, layers) == [48, 48, 48, 24]
-
-
-def test_activations_in_estimate_for_1f1b_and_full_recompute():
+def test_activations_in_estimate_for_the_pipeline_executor():
     cfg = _gpt3_like()
     cfg.model.attention = "xla"
     cfg.parallel = ParallelConfig(tensor=8, sequence_parallel=True, stage=4, data=2,
@@ -168,12 +157,25 @@ def test_activations_in_estimate_for_1f1b_and_full_recompute():
     assert layout.micro_batch == 4
     sbh = 2048 * 4 * 12288
     est = ledger.estimate(cfg, layout, "h100")
-    assert est.activation_bytes == pytest.approx(96 * sbh * 34 / 8 * 1.2)
+    ex = est.executor
+    # 1F1B, 4 stages: the stash does not depend on the remat config; every rank allocates the
+    # busiest rank's slots (one SPMD program), each a bf16 chunk input split over tensor.
+    assert ex.chunk_layers == 24 and est.chunk_input_bytes == sbh * 2 / 8
+    buffers = (ex.stash_buffer + ex.grad_buffer + 2) * sbh * 2 / 8
+    assert est.pipeline_buffer_bytes == buffers
+    # Plus one 24-layer chunk of one microbatch, stored as the remat config says.
+    assert est.inflight_layer_microbatches == 24
+    assert est.activation_bytes == pytest.approx(buffers + 24 * sbh * 34 / 8 * 1.2)
     assert est.activation_bytes_by_remat["none"] == pytest.approx(
-        96 * sbh * (34 + 5 * 96 * 2048 / 12288) / 8 * 1.2)
-    # Full recompute: 2sbh/t per layer kept, plus one layer re-materialised at a time.
+        buffers + 24 * sbh * (34 + 5 * 96 * 2048 / 12288) / 8 * 1.2)
+    # Full recompute: 2sbh/t per layer of the chunk kept, plus one layer re-materialised.
     assert est.activation_bytes_by_remat["full"] == pytest.approx(
-        96 * 2 * sbh / 8 + sbh * (34 + 80) / 8 * 1.2)
+        buffers + 24 * 2 * sbh / 8 + sbh * (34 + 80) / 8 * 1.2)
+    # Without stages: gradient accumulation holds one microbatch of all 96 layers.
+    cfg.parallel = ParallelConfig(tensor=8, sequence_parallel=True, data=2, microbatches=8)
+    est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 16), "h100")
+    assert est.executor is None and est.pipeline_buffer_bytes == 0
+    assert est.activation_bytes == pytest.approx(96 * sbh * 34 / 8 * 1.2)
 
 
 def test_budget_reserve_and_overflow():
@@ -191,7 +193,7 @@ def test_budget_reserve_and_overflow():
     est = ledger.estimate(cfg, too_big, "h100", remat=RematConfig(granularity="none"))
     assert not est.fits and est.overflow == "static"
     assert "static" in est.reason and "budget" in est.reason
-    long_acts = ledger.Layout(tensor=4, stage=8, data=32, micro_batch=1, microbatches=16,
+    long_acts = ledger.Layout(tensor=8, stage=2, data=32, micro_batch=4, microbatches=4,
                               sequence_parallel=True, zero1=True)
     est = ledger.estimate(cfg, long_acts, "h100", remat=RematConfig(granularity="none"))
     assert not est.fits and est.overflow == "activations"
@@ -217,20 +219,33 @@ def test_comm_formulas_small_layout():
     assert (layout.data, layout.micro_batch, layout.microbatches) == (2, 4, 4)
     est = ledger.estimate(cfg, layout, "h100")
     s, b, h = 2048, 4, 1024
-    assert est.comm_bytes["tp"] == 8 * (1 / 2) * s * b * h * 2 * 4 * 4  # 4 layers x 4 microbatches
-    assert est.comm_bytes["pp"] == 2 * s * b * h * 2 / 2 * 4
+    # 1F1B, p=2, m=4 on the executor: 6 table steps, F in 4, B in 5 (tests/test_ledger_pipeline).
+    ex = est.executor
+    assert (ex.steps, ex.f_steps, ex.b_steps) == (6, 4, 5)
+    # TP: 4 layers x (4 F + 5 recomputed F) forward passes + 4 x 5 backward ones, each half of
+    # Megatron's 8(t-1)/t.s.b.h.2 per layer per microbatch.
+    assert est.comm_bytes["tp"] == 4 * (1 / 2) * s * b * h * 2 * 4 * (9 + 5)
+    # PP: one activation right and one cotangent left per table step, bf16, split over tensor.
+    assert est.comm_bytes["pp"] == 2 * 6 * s * b * h * 2 / 2
     layer_local = (1024 * 1024 * 2 + 3 * 1024 * 4096) / 2 + 2 * 1024 * 512 / 2 + 2 * 1024
-    first = 4 * layer_local + 32000 * 1024 / 2         # embedding (vocab-parallel)
-    last = 4 * layer_local + 32000 * 1024 / 2 + 1024   # lm_head + final norm
-    assert est.worst_stage == 0 and est.params_local == first  # stage 0 holds most activations
-    n_local = max(first, last)
+    table = 32000 * 1024 / 2  # vocab-parallel; 32000 is a multiple of 128 x 2
+    # Every stage rank holds the embedding, the head and the final norm (replicated over stage).
+    n_local = 4 * layer_local + 2 * table + 1024
+    assert est.params_local == n_local
     assert est.comm_bytes["dp"] == 2 * n_local * 2
+    # Their fp32 gradients are all-reduced over stage once per step (ring, p=2).
+    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * table + 1024) * 4
     assert est.comm_bytes["fsdp"] == est.comm_bytes["cp"] == 0
     assert set(est.comm_links.values()) == {"nvlink"}  # 8 devices: one node
     fsdp = dataclasses.replace(layout, data=1, fsdp=2, zero1=False)
     assert comm.fsdp_bytes(fsdp, n_local) == 3 * n_local * 2 * 4
-    interleaved = dataclasses.replace(layout, virtual_stages=2, schedule="interleaved_1f1b")
-    assert comm.pp_bytes(cfg, interleaved, 2048) == 2 * est.comm_bytes["pp"]
+    # Without stages the layer passes are L.m each, and FSDP's layer term is 3.N_layers.2.m.
+    flat = comm.layer_passes(layout, (8,), None)
+    assert flat == (32, 32)
+    assert comm.fsdp_layer_bytes(fsdp, layer_local, flat) == 3 * 8 * layer_local * 2 * 4
+    assert comm.tp_bytes(cfg, layout, s, flat) == 8 * (1 / 2) * s * b * h * 2 * 8 * 4
+    # Full recompute re-runs the forward collectives of the layers it recomputes.
+    assert comm.layer_passes(layout, (8,), None, recomputed=1.0) == (64, 32)
 
 
 def test_links_follow_device_order():
@@ -249,6 +264,8 @@ def test_bubble_and_ideal_step():
     cfg = recipe("llama70b")
     est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 1024), "h100")
     assert est.bubble == 1 / 80  # the recipe: stage 2 x 10 virtual, 8 microbatches
+    # The executor's lock-step table: F in 80 of its 100 steps, B in 81 (B = 3F).
+    assert est.lockstep_bubble == pytest.approx((80 + 3 * 81) / (80 * 4) - 1)
     assert est.ideal_step_s == pytest.approx(est.model_flops_per_step / (1024 * 989e12))
     low, high = est.expected_mfu
     assert 0.2 < low < high < 0.8
@@ -298,6 +315,7 @@ def test_describe_and_speed():
     assert time.perf_counter() - start < 0.05
     text = ledger.describe(est)
     assert "tensor=8" in text and "fits" in text and "MFU" in text and "bubble 1.2%" in text
+    assert "pipeline executor: 100 lock-step steps" in text and "19 stash" in text
 
 
 def test_ledger_imports_without_jax():

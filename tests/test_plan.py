@@ -21,13 +21,16 @@ def run(capsys, *args):
     return rc, out, err
 
 
-def test_llama70b_on_1024_h100_picks_a_fitting_tensor_8_layout():
+def test_llama70b_on_1024_h100_picks_a_fitting_layout():
     cfg = load_recipe(CFG_70B)
     result = plan.plan(cfg, 1024, "h100")
     rec = result.recommended
     assert rec is not None and rec.estimate.fits
     L = rec.estimate.layout
-    assert L.tensor == 8 and L.n_devices == 1024 and L.sequence_parallel and L.zero1
+    # Tensor parallelism inside the node. (With the pipeline executor's recompute costed, the
+    # pick is tensor=4 x stage=2x10v, within a point of tensor=8 x stage=2x10v and tensor=8
+    # without stages under full recompute.)
+    assert L.tensor >= 4 and L.n_devices == 1024 and L.sequence_parallel and L.zero1
     assert L.context == 1  # 8K tokens: no context parallelism
     assert rec.estimate.total_bytes <= 0.9 * 80 * ledger.GiB
     # Every fitting alternative has a lower (or equal) expected MFU and a reason.
@@ -71,9 +74,10 @@ def test_explicit_layout(capsys):
     rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--stage", "8",
                      "--virtual-stages", "1", "--micro-batch", "2")
     assert rc == 0 and "micro_batch=2 x 16 microbatches" in out and "bubble 43.8%" in out
-    # Two stages with two sequences per microbatch: activations overflow, exit code 1.
+    # Two stages with four sequences per microbatch: the one 40-layer chunk a B recomputes
+    # (no remat) overflows, exit code 1.
     rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--stage", "2",
-                     "--virtual-stages", "1", "--micro-batch", "2")
+                     "--virtual-stages", "1", "--micro-batch", "4")
     assert rc == 1 and "activations overflow" in out
 
 

@@ -1,18 +1,25 @@
 """One layout's full ledger: FLOPs, memory against the budget, communication, expected MFU.
 
+With pipeline stages every figure is the executor's that jaxtrain runs (ledger.pipeline: its
+lock-step table, chunk-input stash, recompute in B, replicated embedding and head), not
+Megatron's schedule; `bubble` stays Megatron's (p−1)/(m·v) for comparison.
+
 Expected step time (a budget of losses, each with an optimistic and a pessimistic value; the
 optimistic ones give the high MFU):
 - compute: model FLOPs at peak × kernel efficiency (per GPU, e.g. H100 0.50–0.70: the whole
   compute stream of a large Llama step, not just cuBLAS GEMMs); FP8 runs the transformer-layer
   matmuls at the FP8 peak, attention and lm_head at bf16.
-- recompute: the HFU − model FLOPs at the same rate.
-- bubble: (compute + recompute) × (p−1)/(m·v).
+- recompute: the HFU − model FLOPs at the same rate (the remat config's and, with stages, the
+  executor's chunk forward in every B).
+- bubble: (compute + recompute) × the lock-step table's idle fraction (F = 1, B = 3 + the remat
+  config's recompute per layer forward).
 - communication: each kind's bytes on its nominal link (NVLink inside a node, the NIC between
   nodes), times an exposed fraction: TP 0.3–1.0 (on the critical path; overlap is partial),
   DP 0.1–0.5 (overlaps the backward pass and the next forward), FSDP 0.2–0.6, PP 0.3–1.0,
+  vocab 0.5–1.0 (the executor reduces them after its loop; timed in the PP loss, same axis),
   CP 0.2–0.8 (overlaps the ring's attention blocks).
 - overhead: 50–150 µs per layer-microbatch (launch gaps, small kernels, host sync) and
-  20–100 µs latency per pipeline send/receive (2·m·v of them).
+  20–100 µs latency per pipeline send (2 per table step).
 MFU = ideal step / expected step, ideal = model FLOPs / (devices × peak of the compute dtype);
 FP8 runs still divide by the bf16 peak, so their MFU can exceed the bf16 ceiling.
 """
@@ -21,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.config import Config, RematConfig
-from jaxtrain.ledger import comm, flops, memory
+from jaxtrain.ledger import comm, flops, memory, pipeline
 from jaxtrain.ledger.hardware import GB, GiB, Gpu, get_gpu
 from jaxtrain.ledger.layout import Layout, stage_layer_counts, validate_layout
 
@@ -30,7 +37,8 @@ REMAT_VARIANTS = {
     "selective": RematConfig(granularity="selective", modules=("core_attn",)),
     "full": RematConfig(granularity="full", method="uniform", num_layers=1),
 }
-COMM_KINDS = ("dp", "fsdp", "tp", "pp", "cp")
+COMM_KINDS = ("dp", "fsdp", "tp", "pp", "vocab", "cp")
+_LOSS_OF = {"vocab": "pp"}   # kinds timed under another kind's loss (the same axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +46,7 @@ class Assumptions:
     """Exposed fraction of each kind of communication and fixed overheads: (optimistic,
     pessimistic)."""
     exposed: tuple = (("tp", (0.3, 1.0)), ("dp", (0.1, 0.5)), ("fsdp", (0.2, 0.6)),
-                      ("pp", (0.3, 1.0)), ("cp", (0.2, 0.8)))
+                      ("pp", (0.3, 1.0)), ("vocab", (0.5, 1.0)), ("cp", (0.2, 0.8)))
     layer_overhead_s: tuple = (50e-6, 150e-6)
     p2p_latency_s: tuple = (20e-6, 100e-6)
 
@@ -66,8 +74,8 @@ class Estimate:
     static_breakdown: dict
     static_bytes: float
     activation_bytes_per_layer: float
-    inflight_layer_microbatches: float
-    activation_bytes: float
+    inflight_layer_microbatches: float   # stored layer-microbatches (pipelined: one chunk's)
+    activation_bytes: float              # stored layer activations + pipeline buffers
     activation_bytes_by_remat: dict
     reserve_bytes: float
     total_bytes: float
@@ -80,12 +88,17 @@ class Estimate:
     comm_seconds: dict
     comm_links: dict
     # time
-    bubble: float
+    bubble: float                 # Megatron's (p-1)/(m·v)
     ideal_step_s: float
     expected_step_s: tuple        # (optimistic, pessimistic)
     expected_mfu: tuple           # (low, high)
     losses: dict                  # name -> (optimistic s, pessimistic s)
     notes: tuple = ()
+    # the pipeline executor (None without stages)
+    executor: pipeline.Executor | None = None
+    lockstep_bubble: float = 0.0  # the executor's table: idle fraction, used in the step time
+    pipeline_buffer_bytes: float = 0.0   # its chunk-input buffers, part of activation_bytes
+    chunk_input_bytes: float = 0.0       # one buffer / one send
 
     @property
     def n_devices(self) -> int:
@@ -103,7 +116,11 @@ class Estimate:
                "micro_batch": L.micro_batch, "microbatches": L.microbatches,
                "sequence_parallel": L.sequence_parallel, "zero1": L.zero1,
                "schedule": L.schedule, "remat": self.remat, "flash": self.flash,
-               "bubble": round(self.bubble, 6), "static_gb": gib(self.static_bytes),
+               "bubble": round(self.bubble, 6),
+               "lockstep_bubble": round(self.lockstep_bubble, 6),
+               "table_steps": self.executor.steps if self.executor else 0,
+               "stash_slots": self.executor.stash_buffer if self.executor else 0,
+               "static_gb": gib(self.static_bytes),
                "activation_gb": gib(self.activation_bytes),
                **{f"activation_gb_{k}": gib(v) for k, v in self.activation_bytes_by_remat.items()},
                "reserve_gb": gib(self.reserve_bytes), "total_gb": gib(self.total_bytes),
@@ -148,15 +165,20 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     m, L = cfg.model, layout
     notes = []
     stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
+    ex = pipeline.executor(L, stage_layers)
     counts = flops.param_counts(m)
     n_local = memory.stage_params_local(cfg, L, stage_layers)
-    inflight = memory.inflight_layer_microbatches(L, stage_layers)
+
+    def activations(rm, n_layers):
+        if ex is not None:
+            return memory.pipelined_activations(cfg, L, rm, flash, seq, ex)
+        return memory.stage_activations(cfg, L, rm, flash, seq, n_layers, n_layers)
 
     def stage_totals(rm):
         rows = []
         for r, n_layers in enumerate(stage_layers):
             static = memory.static_bytes(cfg, L, n_local[r])
-            act = memory.stage_activations(cfg, L, rm, flash, seq, n_layers, inflight[r])
+            act = activations(rm, n_layers)
             reserve = memory.reserve_bytes(cfg, L, seq)
             rows.append((sum(static.values()) + act.total + reserve, static, act, reserve))
         return rows
@@ -183,9 +205,16 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
 
     # communication (worst stage: most parameters, most layers)
     n_max, layers_max = max(n_local), max(stage_layers)
-    volumes = {"dp": comm.dp_bytes(L, n_max), "fsdp": comm.fsdp_bytes(L, n_max),
-               "tp": comm.tp_bytes(cfg, L, seq, layers_max), "pp": comm.pp_bytes(cfg, L, seq),
-               "cp": comm.cp_bytes(cfg, L, seq, layers_max)}
+    max_chunks = ex.chunk_layers * L.virtual_stages if ex else layers_max  # layers held
+    recomputed = (flops.recomputed_layers(cfg, remat, stage_layers, L.virtual_stages)
+                  / m.num_layers if remat.granularity == "full" else 0.0)
+    passes = comm.layer_passes(L, stage_layers, ex, recomputed)
+    layer_local = memory.layer_params_local(cfg, L.tensor)
+    volumes = {"dp": comm.dp_bytes(L, n_max),
+               "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
+               + comm.fsdp_bytes(L, n_max - max_chunks * layer_local),
+               "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
+               "vocab": comm.vocab_bytes(cfg, L), "cp": comm.cp_bytes(cfg, L, seq, passes)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
     seconds = {k: volumes[k] / links[k][1] for k in COMM_KINDS}
 
@@ -202,6 +231,13 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     rest_flops_step = f_model * tokens - fp8_flops_step
     recompute_step = (f_hfu - f_model) * tokens
     bubble = comm.bubble_fraction(L.stage, L.microbatches, L.virtual_stages)
+    lockstep = 0.0
+    if ex is not None:
+        # B over F per layer: the recomputed forward + a 2F backward + the remat recompute.
+        remat_per_fwd = (flops.recompute_flops_per_token(cfg, remat, stage_layers,
+                                                         L.virtual_stages, seq)
+                         / flops.executor_recompute_flops_per_token(cfg, seq))
+        lockstep = ex.bubble(3.0 + remat_per_fwd)
     exposed = dict(assumptions.exposed)
     losses = {}
     for i, eff in enumerate(reversed(gpu.kernel_efficiency)):  # i=0 optimistic
@@ -210,12 +246,14 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
             compute += fp8_flops_step / (D * gpu.fp8_flops * eff)
         recompute = recompute_step / (D * peak * eff)
         parts = {"compute": compute, "recompute": recompute,
-                 "bubble": (compute + recompute) * bubble}
+                 "bubble": (compute + recompute) * lockstep}
         for k in COMM_KINDS:
-            parts[f"{k}_comm"] = seconds[k] * exposed[k][i]
+            # the vocab all-reduce rides the stage axis: one loss with the PP sends
+            key = f"{_LOSS_OF.get(k, k)}_comm"
+            parts[key] = parts.get(key, 0.0) + seconds[k] * exposed[k][i]
         overhead = layers_max * L.microbatches * assumptions.layer_overhead_s[i]
-        if L.stage > 1:
-            overhead += 2 * L.microbatches * L.virtual_stages * assumptions.p2p_latency_s[i]
+        if ex is not None:
+            overhead += ex.sends * assumptions.p2p_latency_s[i]
         parts["overhead"] = overhead
         for k, v in parts.items():
             losses.setdefault(k, [0.0, 0.0])[i] = v
@@ -242,7 +280,9 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
         budget_bytes=budget, fits=fits, overflow=overflow, reason=reason,
         comm_bytes=volumes, comm_seconds=seconds, comm_links={k: v[0] for k, v in links.items()},
         bubble=bubble, ideal_step_s=ideal, expected_step_s=step,
-        expected_mfu=(ideal / step[1], ideal / step[0]), losses=losses, notes=tuple(notes))
+        expected_mfu=(ideal / step[1], ideal / step[0]), losses=losses, notes=tuple(notes),
+        executor=ex, lockstep_bubble=lockstep, pipeline_buffer_bytes=act.buffers,
+        chunk_input_bytes=pipeline.chunk_input_bytes(cfg, L, seq) if ex else 0.0)
 
 
 _HINTS = {"static": "more tensor/stage parallelism, ZeRO-1 or FSDP",
@@ -282,5 +322,13 @@ def describe(est: Estimate) -> str:
         f"{est.expected_step_s[0]:.3f}-{est.expected_step_s[1]:.3f} s, MFU "
         f"{est.expected_mfu[0]:.0%}-{est.expected_mfu[1]:.0%}",
     ]
+    ex = est.executor
+    if ex is not None:
+        mib = est.chunk_input_bytes / 2 ** 20
+        lines.insert(1, (
+            f"pipeline executor: {ex.steps} lock-step steps (idle {est.lockstep_bubble:.1%}), "
+            f"{2 * ex.steps} sends of {mib:.4g} MiB; buffers {ex.stash_buffer} stash + "
+            f"{ex.grad_buffer} cotangent + 2 receive x {mib:.4g} MiB; each B recomputes one "
+            f"{ex.chunk_layers}-layer chunk"))
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines)

@@ -4,13 +4,16 @@ Model FLOPs per token = 6·N + 12·L·(H·E)·s (DESIGN.md §5): N counts every 
 the input embedding (the lm_head is a matmul, so it counts; with tied embeddings the one table
 is the lm_head and N equals the total), H·E is the query width (the hidden size for Llama),
 s the sequence length. The attention term is the non-causal one, as in PaLM and Megatron's
-papers. MFU divides model FLOPs by peak; HFU adds the FLOPs that rematerialisation re-runs.
+papers. MFU divides model FLOPs by peak; HFU adds what is run again: the remat config's
+recompute and, with pipeline stages, the executor's chunk forward in every B (ledger.pipeline:
+one more forward of every layer per microbatch, whatever the remat config).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from jaxtrain.config import Config, ConfigError, ModelConfig, RematConfig
+from jaxtrain.ledger.layout import stage_layer_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,12 @@ def _module_flops(model: ModelConfig, seq_len: int) -> dict[str, float]:
             "mlp": 6.0 * h * F}
 
 
+def layer_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """One layer's forward per token: 2·(layer params) + 4·(H·E)·s (QK^T and PV)."""
+    return 2.0 * param_counts(model).layer + 4.0 * model.num_heads * model.resolved_head_dim \
+        * seq_len
+
+
 def recomputed_layers(cfg: Config, remat: RematConfig, stage_layers: tuple[int, ...],
                       virtual_stages: int = 1) -> int:
     """Layers that full recompute re-runs: all for "uniform"; for "block" the first
@@ -101,8 +110,7 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
     if remat.granularity == "full":
         stage_layers = stage_layers or (m.num_layers,)
         n = recomputed_layers(cfg, remat, stage_layers, virtual_stages)
-        per_layer = 2.0 * param_counts(m).layer + 4.0 * m.num_heads * m.resolved_head_dim * seq_len
-        return n * per_layer
+        return n * layer_forward_flops_per_token(m, seq_len)
     table = _module_flops(m, seq_len)
     unknown = [x for x in remat.modules if x not in table]
     if unknown:
@@ -110,11 +118,27 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
     return m.num_layers * sum(table[x] for x in set(remat.modules))
 
 
+def executor_recompute_flops_per_token(cfg: Config, seq_len: int | None = None) -> float:
+    """The pipeline executor's extra forward: a B re-runs its chunk from the stashed input, so
+    every layer runs forward once more per microbatch (the head is not re-run)."""
+    m = cfg.model
+    return m.num_layers * layer_forward_flops_per_token(m, seq_len or cfg.train.seq_len)
+
+
 def hfu_flops_per_token(cfg: Config, remat: RematConfig | None = None,
                         stage_layers: tuple[int, ...] | None = None, virtual_stages: int = 1,
                         seq_len: int | None = None) -> float:
+    """Model FLOPs + the remat config's recompute + the pipeline executor's chunk forward.
+
+    stage_layers: layers per pipeline stage (more than one: pipelined); None takes the
+    config's parallel.stage and virtual_stages (the trainer's metrics)."""
+    if stage_layers is None and cfg.parallel.stage > 1:
+        virtual_stages = cfg.parallel.virtual_stages
+        stage_layers = stage_layer_counts(cfg, cfg.parallel.stage, virtual_stages)
+    pipelined = stage_layers is not None and len(stage_layers) > 1
     return (model_flops_per_token(cfg, seq_len)
-            + recompute_flops_per_token(cfg, remat, stage_layers, virtual_stages, seq_len))
+            + recompute_flops_per_token(cfg, remat, stage_layers, virtual_stages, seq_len)
+            + (executor_recompute_flops_per_token(cfg, seq_len) if pipelined else 0.0))
 
 
 def tokens_per_step(cfg: Config) -> int:
@@ -130,6 +154,6 @@ def mfu(cfg: Config, tokens_per_sec: float, n_devices: int, peak_flops: float,
 def hfu(cfg: Config, tokens_per_sec: float, n_devices: int, peak_flops: float,
         stage_layers: tuple[int, ...] | None = None, virtual_stages: int = 1,
         seq_len: int | None = None) -> float:
-    """Hardware FLOPs utilisation: as mfu, counting the recompute the remat config implies."""
+    """Hardware FLOPs utilisation: as mfu, counting what remat and the pipeline re-run."""
     return (tokens_per_sec * hfu_flops_per_token(cfg, None, stage_layers, virtual_stages, seq_len)
             / (n_devices * peak_flops))

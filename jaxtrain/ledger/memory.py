@@ -11,11 +11,15 @@ Conventions (DESIGN.md §5):
   SwiGLU's wider MLP. Full recompute keeps the layer input, 2·s·b·h/t, and re-materialises one
   recompute group at a time. Context parallelism divides s (its scores are (s/c)×s).
   The 34 counts 2-byte activations; float32 compute doubles it.
-- In flight (Megatron's schedules): 1F1B rank r holds min(m, p-r) microbatches of its layers,
-  so the first stage holds p·(L/p) = L layer-microbatches; interleaved 1F1B rank r runs
-  2(p-r-1) + (v-1)p + 1 chunks before its first backward, which for r=0 is
-  L·(1 + (p-1)/(p·v)) layers (Megatron-LM's interleaved_schedule_memory_penalty in
-  megatron/training/theoretical_memory_usage.py); GPipe holds all m.
+- In flight. Without pipeline stages, gradient accumulation runs one microbatch at a time:
+  L layer-microbatches. With stages, the executor (ledger.pipeline) stashes only chunk
+  inputs and recomputes a chunk in its B: its buffers (the busiest rank's stash slots,
+  cotangent slots and two receive buffers, on every rank) plus one chunk's activations for
+  one microbatch, stored as the remat config says; Megatron's schedule-dependent in-flight
+  microbatches do not apply.
+- Static with stages: every rank holds v chunks of the largest chunk's layers (uneven stages
+  are padded to it) plus the embedding, the head and the final norm, which the executor
+  replicates over stage.
 - Budget: static + activations + reserve must fit in 90% of device memory.
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jaxtrain.config import Config, RematConfig
 from jaxtrain.ledger.flops import param_counts
 from jaxtrain.ledger.hardware import GiB
 from jaxtrain.ledger.layout import Layout
+from jaxtrain.ledger.pipeline import Executor, chunk_input_bytes
 
 BUDGET_FRACTION = 0.9
 SWIGLU_MARGIN = 1.2
@@ -67,21 +72,24 @@ def layer_params_local(cfg: Config, tensor: int) -> float:
             + (per["k"] + per["v"]) / kv_shards + per["norms"])
 
 
+def vocab_params_local(cfg: Config, tensor: int) -> float:
+    """Embedding + head (one table when tied) + final norm per tensor rank (vocab-parallel)."""
+    m = cfg.model
+    table = padded_vocab(m.vocab_size, tensor) * m.hidden_size / tensor
+    return table * (1 if m.tie_embeddings else 2) + m.hidden_size
+
+
 def stage_params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> list[float]:
-    """Parameters one device of each pipeline stage holds (after TP and PP, before FSDP)."""
-    m, t, p = cfg.model, layout.tensor, layout.stage
-    table = padded_vocab(m.vocab_size, t) * m.hidden_size / t
-    layer = layer_params_local(cfg, t)
-    out = []
-    for r, n_layers in enumerate(stage_layers):
-        n = n_layers * layer
-        if r == 0:
-            n += table
-        if r == p - 1:
-            # Tied weights still need their own copy on the last stage when p > 1 (Megatron).
-            n += m.hidden_size + (table if (not m.tie_embeddings or p > 1) else 0)
-        out.append(n)
-    return out
+    """Parameters one device of each pipeline stage holds (after TP and PP, before FSDP).
+
+    With stages, every rank holds v chunks of the largest chunk (padding included) and the
+    replicated embedding and head."""
+    layer = layer_params_local(cfg, layout.tensor)
+    v = layout.virtual_stages
+    if layout.stage == 1:
+        return [stage_layers[0] * layer + vocab_params_local(cfg, layout.tensor)]
+    padded = v * (max(stage_layers) // v)
+    return [padded * layer + vocab_params_local(cfg, layout.tensor)] * layout.stage
 
 
 def static_bytes(cfg: Config, layout: Layout, n_local: float) -> dict[str, float]:
@@ -120,34 +128,19 @@ def layer_checkpoint_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
     return 2.0 * sbh / (layout.tensor if layout.sequence_parallel else 1) * _act_scale(cfg)
 
 
-def inflight_layer_microbatches(layout: Layout, stage_layers: tuple[int, ...]) -> list[float]:
-    """Layer-microbatches of activations each pipeline rank holds at its peak."""
-    p, v, m = layout.stage, layout.virtual_stages, layout.microbatches
-    out = []
-    for r, n_layers in enumerate(stage_layers):
-        if p == 1:
-            chunks, per_chunk = 1, n_layers  # grad accumulation: one microbatch at a time
-        elif layout.schedule == "gpipe":
-            chunks, per_chunk = m, n_layers
-        elif v == 1:
-            chunks, per_chunk = min(m, p - r), n_layers
-        else:
-            chunks, per_chunk = min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1), n_layers / v
-        out.append(chunks * per_chunk)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Activations:
     per_layer: float        # bytes stored per layer-microbatch (the checkpoint under full)
     inflight: float         # layer-microbatches held
     working_set: float      # bytes re-materialised at once under full recompute
     total: float
+    buffers: float = 0.0    # the pipeline executor's chunk-input buffers (in total)
 
 
 def stage_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,
                       seq_len: int, n_layers: int, inflight: float) -> Activations:
-    """Activation bytes one device of a stage holds under a remat config.
+    """Activation bytes one device of a stage holds under a remat config: `inflight`
+    layer-microbatches of a stage of `n_layers` layers (v chunks).
 
     Of the selective modules only core_attn is credited (its s×s scores); recomputing other
     tagged activations is counted in HFU but not subtracted here, so memory is an upper bound.
@@ -169,11 +162,26 @@ def stage_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bo
     return Activations(ckpt, inflight, full_layer, stored + full_layer)
 
 
+def pipelined_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,
+                          seq_len: int, ex: Executor) -> Activations:
+    """What one device of the pipeline executor holds: its chunk-input buffers (stash,
+    cotangents, receives) and the activations of the one chunk a B recomputes, for one
+    microbatch, under the remat config."""
+    chunk = stage_activations(cfg, layout, remat, flash, seq_len,
+                              ex.chunk_layers * layout.virtual_stages, ex.chunk_layers)
+    buffers = ex.buffers * chunk_input_bytes(cfg, layout, seq_len)
+    return dataclasses.replace(chunk, buffers=buffers, total=chunk.total + buffers)
+
+
+def workspace_bytes(cfg: Config) -> float:
+    """cuBLAS/NCCL workspaces and XLA temporaries: 6 GiB at h=8192, scaled, at least 0.25 GiB."""
+    return max(_WORKSPACE_FLOOR, _WORKSPACE_AT_8K * min(1.0, cfg.model.hidden_size / 8192))
+
+
 def reserve_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
     """Logits and workspace: fp32 logits, softmax, their gradient and the bf16 output (≈4 fp32
     copies of s·b·V/t) plus a workspace that scales with the hidden size (6 GiB at h=8192)."""
     m = cfg.model
     logits = 4 * 4.0 * (seq_len / layout.context) * layout.micro_batch \
         * padded_vocab(m.vocab_size, layout.tensor) / layout.tensor
-    workspace = max(_WORKSPACE_FLOOR, _WORKSPACE_AT_8K * min(1.0, m.hidden_size / 8192))
-    return logits + workspace
+    return logits + workspace_bytes(cfg)

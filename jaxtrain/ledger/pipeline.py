@@ -1,0 +1,122 @@
+"""The pipeline executor jaxtrain runs (jaxtrain.pipeline), counted from its lock-step table.
+
+A schedule (jaxtrain.pipeline_schedule, pure Python) is simulated once into `steps` lock-step
+steps; in each, every rank may run one F (a chunk's forward for one microbatch) and one B.
+What that means per device per train step, and where the ledger uses it:
+- memory (ledger.memory): F keeps only its chunk's input. The executor is one SPMD program, so
+  every rank allocates the busiest rank's buffers: its stash slots, its cotangent slots and
+  two receive buffers, each one chunk input (one microbatch's s/c x b x h activations in the
+  compute dtype, / t under sequence parallelism). B recomputes its chunk from the stash with
+  jax.vjp, so the only layer activations alive are one chunk's for one microbatch, stored as
+  the remat config says. Chunks are padded to the largest (uneven first/last stages).
+- FLOPs (ledger.flops): B = the chunk's forward again + its backward, so every layer runs one
+  extra forward per microbatch on top of the remat config's recompute (which applies inside
+  that vjp). The last virtual stage's F is folded into its B, but lock-step runs it anyway
+  whenever another rank has an F, so it is counted as well.
+- time (`Executor.bubble`): a step's F (B) runs on every rank when any rank has one, so a step
+  lasts F if any rank runs an F plus B if any runs a B; idle = that sum over m.v.(F + B) - 1.
+- communication (ledger.comm): every step ends with one chunk-input-sized ppermute to the
+  right and one to the left, idle steps included: 2 x steps sends. Layer collectives (TP, CP,
+  FSDP) run in every chunk pass: forward in each F and B step, backward in each B step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxtrain.config import Config
+from jaxtrain.ledger.layout import Layout
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RECEIVE_BUFFERS = 2   # the activation arriving from the left and the cotangent from the right
+
+
+@dataclasses.dataclass(frozen=True)
+class Executor:
+    """One layout's lock-step table, per rank (every rank advances one step at a time)."""
+    schedule: str
+    stages: int
+    virtual_stages: int
+    microbatches: int
+    chunk_layers: int        # layers of the largest chunk; smaller ones are padded to it
+    steps: int               # table steps, idle ones included
+    f_steps: int             # steps that run the F conditional (a rank has a chunk forward)
+    b_steps: int             # steps that run the B conditional (recompute + backward)
+    head_steps: int          # steps whose B is the last virtual stage's (it runs the head)
+    stash_slots: tuple       # per rank: chunk inputs held at once
+    grad_slots: tuple        # per rank: cotangents waiting for their B
+
+    @property
+    def stash_buffer(self) -> int:
+        """Stash slots every rank allocates: the busiest rank's (one SPMD program)."""
+        return max(max(self.stash_slots), 1)
+
+    @property
+    def grad_buffer(self) -> int:
+        return max(max(self.grad_slots), 1)
+
+    @property
+    def buffers(self) -> int:
+        """Chunk-input-sized buffers per device: stash + cotangent slots + receive buffers."""
+        return self.stash_buffer + self.grad_buffer + RECEIVE_BUFFERS
+
+    @property
+    def sends(self) -> int:
+        """ppermutes per device per step: one right and one left in every table step."""
+        return 2 * self.steps
+
+    @property
+    def forward_passes(self) -> int:
+        """Chunk forwards a rank runs per step: each F step's, and each B step's recompute."""
+        return self.f_steps + self.b_steps
+
+    @property
+    def backward_passes(self) -> int:
+        return self.b_steps
+
+    def bubble(self, backward_cost: float = 3.0) -> float:
+        """Lock-step idle fraction: (f_steps.F + b_steps.B) / (m.v.(F + B)) - 1 with F = 1.
+
+        backward_cost: B over F; 3 with the executor's recompute (F again + a 2F backward)."""
+        busy = self.microbatches * self.virtual_stages * (1.0 + backward_cost)
+        return (self.f_steps + self.b_steps * backward_cost) / busy - 1.0
+
+
+@functools.lru_cache(maxsize=256)
+def _table(kind: str, p: int, m: int, v: int) -> tuple:
+    """(steps, f_steps, b_steps, head_steps, stash_slots, grad_slots) of the training table."""
+    import numpy as np
+
+    from jaxtrain.pipeline_schedule import build_table, rank_orders, simulate
+    table = build_table(simulate(rank_orders(kind, p, m, v), p, v), p, v, m, backward=True)
+    cols = table.columns
+    f_chunk, b_chunk = cols["f_chunk"], cols["b_chunk"]
+    # In training the last virtual stage's F is done by its B (one vjp), so a step whose only
+    # F is that one skips the F conditional (as jaxtrain.pipeline's step flags do).
+    f_work = (f_chunk >= 0) & (f_chunk * p + np.arange(p) != p * v - 1)
+    return (table.num_steps, int(f_work.any(1).sum()), int((b_chunk >= 0).any(1).sum()),
+            int((b_chunk[:, p - 1] == v - 1).sum()), table.stash_slots, table.grad_slots)
+
+
+def executor(layout: Layout, stage_layers: tuple[int, ...]) -> Executor | None:
+    """The executor's table for `layout` (None without pipeline stages); cached per schedule.
+
+    Virtual stages run the interleaved schedule, whatever `layout.schedule` says (it is the
+    only one that runs them; the trainer refuses the others with v > 1)."""
+    p, v, m = layout.stage, layout.virtual_stages, layout.microbatches
+    if p == 1:
+        return None
+    kind = "interleaved_1f1b" if v > 1 else layout.schedule
+    steps, f_steps, b_steps, head_steps, stash, grad = _table(kind, p, m, v)
+    return Executor(schedule=kind, stages=p, virtual_stages=v, microbatches=m,
+                    chunk_layers=max(stage_layers) // v, steps=steps, f_steps=f_steps,
+                    b_steps=b_steps, head_steps=head_steps, stash_slots=tuple(stash),
+                    grad_slots=tuple(grad))
+
+
+def chunk_input_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
+    """One microbatch's activations on one device, in the compute dtype: what a stash slot
+    holds and what one send moves (sequence parallelism keeps them split over tensor)."""
+    sbh = seq_len / layout.context * layout.micro_batch * cfg.model.hidden_size
+    split = layout.tensor if layout.sequence_parallel else 1
+    return sbh * DTYPE_BYTES[cfg.model.compute_dtype] / split

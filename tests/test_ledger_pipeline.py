@@ -1,0 +1,195 @@
+"""The ledger's model of the pipeline executor (jaxtrain.ledger.pipeline) against hand-derived
+lock-step tables and hand-computed memory, FLOPs and traffic. Pure Python, milliseconds."""
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxtrain import ledger
+from jaxtrain.config import Config, ModelConfig, ParallelConfig, RematConfig, TrainConfig
+from jaxtrain.ledger import flops, memory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def table(schedule, p, m, v=1, layers=8):
+    return ledger.executor(ledger.Layout(stage=p, microbatches=m, virtual_stages=v,
+                                         schedule=schedule), (layers,) * p)
+
+
+# ----------------------------------------------------------------------------- tables by hand
+
+def test_1f1b_two_stages_four_microbatches():
+    """Lock-step, fused F+B steps (rank: ops per step; the last stage's B follows its F):
+        step    0    1      2      3      4      5
+        rank 0  F0   F1     F2 B0  F3 B1  B2     B3
+        rank 1  -    F0 B0  F1 B1  F2 B2  F3 B3  -
+    Rank 1's F is the last virtual stage's, folded into its B, so only steps 0-3 run the F
+    conditional; steps 1-5 run the B one. Rank 0 (virtual stage 0) reads the tokens, so it
+    stashes nothing; rank 1 holds each input for one step (1 slot). Rank 0 waits one step
+    for each cotangent (1 slot)."""
+    ex = table("1f1b", 2, 4)
+    assert (ex.steps, ex.f_steps, ex.b_steps, ex.head_steps) == (6, 4, 5, 4)
+    assert (ex.stash_slots, ex.grad_slots) == ((0, 1), (1, 0))
+    # Every rank allocates 1 stash + 1 cotangent slot and the two receive buffers.
+    assert (ex.stash_buffer, ex.grad_buffer, ex.buffers) == (1, 1, 4)
+    assert ex.sends == 12                                   # 6 steps x (right + left)
+    assert (ex.forward_passes, ex.backward_passes) == (4 + 5, 5)
+    # Lock-step time 4F + 5B over the ideal 4(F + B), B = 3F: 19/16 - 1; Megatron's 1/4
+    # charges the last stage's separate F, which the executor folds into its B.
+    assert ex.bubble(3.0) == pytest.approx(3 / 16)
+    assert ledger.bubble_fraction(2, 4) == 1 / 4
+
+
+def test_gpipe_two_stages_holds_every_microbatch():
+    """GPipe: rank 1 runs F0..F3 in steps 1-4 and B0..B3 in steps 4-7, rank 0 B0..B3 in 5-8:
+    9 steps, and rank 1 holds all four chunk inputs at step 4."""
+    ex = table("gpipe", 2, 4)
+    assert (ex.steps, ex.f_steps, ex.b_steps) == (9, 4, 5)
+    assert ex.stash_slots == (0, 4) and ex.buffers == 4 + 1 + 2
+    assert ex.sends == 18
+
+
+def test_interleaved_two_stages_two_chunks_two_microbatches():
+    """p=2, v=2, m=2 (virtual stage g on rank g % 2), derived step by step:
+        step    0       1       2       3              4              5       6       7
+        rank 0  F(0,0)  F(0,1)  F(2,0)  F(2,1)         B(2,0)         B(2,1)  B(0,0)  B(0,1)
+        rank 1  -       F(1,0)  F(1,1)  F(3,0) B(3,0)  F(3,1) B(3,1)  B(1,0)  B(1,1)  -
+    Rank 0 stashes the inputs of (2,0) over steps 2-4 and (2,1) over 3-5: 2 slots; rank 1
+    those of (1,0) 1-5, (1,1) 2-6 and (3,k) for one step each: 3 slots."""
+    ex = table("interleaved_1f1b", 2, 2, v=2)
+    assert (ex.steps, ex.f_steps, ex.b_steps, ex.head_steps) == (8, 4, 5, 2)
+    assert (ex.stash_slots, ex.grad_slots) == ((2, 3), (1, 1))
+    assert ex.buffers == 3 + 1 + 2 and ex.chunk_layers == 4
+    assert ex.bubble(3.0) == pytest.approx((4 + 3 * 5) / (4 * 4) - 1)
+
+
+def test_llama70b_table():
+    """The recipe's 2 stages x 10 virtual, 8 microbatches: 100 steps, 19 stash slots (the
+    compiled dry run's executor allocates the same)."""
+    ex = table("interleaved_1f1b", 2, 8, v=10, layers=40)
+    assert (ex.steps, ex.stash_buffer, ex.grad_buffer, ex.chunk_layers) == (100, 19, 1, 4)
+    assert (ex.f_steps, ex.b_steps) == (80, 81)
+    assert ex.sends == 200 < 2 * 8 * 10 * 2   # vs Megatron's 2.m.v sends per direction pair
+    assert table("1f1b", 1, 8) is None
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+H, F, LAYERS, V, S = 1024, 4096, 8, 32000, 2048
+
+
+def small(**parallel) -> Config:
+    cfg = Config(model=ModelConfig(vocab_size=V, hidden_size=H, num_layers=LAYERS,
+                                   num_heads=16, num_kv_heads=8, mlp_size=F, max_seq_len=S),
+                 train=TrainConfig(global_batch=32, seq_len=S))
+    cfg.parallel = ParallelConfig(**{**dict(tensor=2, sequence_parallel=True, stage=2, data=2,
+                                            microbatches=4, zero1=True), **parallel})
+    cfg.remat = RematConfig(granularity="none")
+    return cfg
+
+
+LAYER = 2 * H * H + 2 * H * 512 + 3 * H * F + 2 * H           # q, o; k, v; MLP; norms
+LAYER_LOCAL = (2 * H * H + 3 * H * F) / 2 + 2 * H * 512 / 2 + 2 * H
+TABLE_LOCAL = V * H / 2                                        # vocab-parallel over t=2
+SBH = S * 4 * H                                                # micro_batch 4
+PER_LAYER_ACTS = 34 * SBH / 2 * 1.2                            # flash, SP over t=2
+
+
+def estimate(cfg, n=8):
+    return ledger.estimate(cfg, ledger.layout_from_config(cfg, n), "h100")
+
+
+def test_small_pipelined_estimate_by_hand():
+    cfg = small()
+    est = estimate(cfg)
+    ex = est.executor
+    assert (ex.steps, ex.stash_buffer, ex.grad_buffer, ex.chunk_layers) == (6, 1, 1, 4)
+    # Static: every rank holds its 4 layers, both vocab tables and the final norm.
+    n_local = 4 * LAYER_LOCAL + 2 * TABLE_LOCAL + H
+    assert est.params_local == n_local
+    assert est.static_bytes == pytest.approx(n_local * (2 + 4 + 12 / 2))  # ZeRO-1 over data 2
+    # Activations: 4 chunk inputs (bf16, split over tensor) + one 4-layer chunk.
+    chunk_input = SBH * 2 / 2
+    assert est.chunk_input_bytes == chunk_input
+    assert est.activation_bytes == pytest.approx(4 * chunk_input + 4 * PER_LAYER_ACTS)
+    # Full recompute inside the chunk: 4 layer inputs kept + one layer re-materialised.
+    assert est.activation_bytes_by_remat["full"] == pytest.approx(
+        4 * chunk_input + 4 * SBH * 2 / 2 + PER_LAYER_ACTS)
+    # HFU: each B re-runs its chunk forward; MFU's model FLOPs are unchanged.
+    layer_fwd = 2 * LAYER + 4 * H * S
+    assert est.model_flops_per_token == ledger.model_flops_per_token(cfg)
+    assert est.hfu_flops_per_token == pytest.approx(
+        ledger.model_flops_per_token(cfg) + LAYERS * layer_fwd)
+    # Communication: 12 sends of a chunk input; the vocab gradients' ring all-reduce (fp32).
+    assert est.comm_bytes["pp"] == 12 * chunk_input
+    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * TABLE_LOCAL + H) * 4
+    assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * 4 * (9 + 5)
+    # The step time pays the table's idle fraction, not Megatron's.
+    assert est.bubble == 1 / 4 and est.lockstep_bubble == pytest.approx(3 / 16)
+    comp, recomp = est.losses["compute"][0], est.losses["recompute"][0]
+    assert est.losses["bubble"][0] == pytest.approx((comp + recomp) * 3 / 16)
+
+
+def test_remat_recompute_adds_to_the_executors():
+    """Full recompute inside the chunk's vjp re-runs the forward again: B = 4F, and the
+    recomputed layers' forward collectives run once more in every backward pass."""
+    cfg = small()
+    cfg.remat = RematConfig(granularity="full", method="uniform", num_layers=1)
+    est = estimate(cfg)
+    layer_fwd = 2 * LAYER + 4 * H * S
+    assert est.hfu_flops_per_token == pytest.approx(
+        ledger.model_flops_per_token(cfg) + 2 * LAYERS * layer_fwd)
+    assert est.lockstep_bubble == pytest.approx((4 + 4 * 5) / (4 * 5) - 1)
+    assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * 4 * (9 + 5 + 5)
+
+
+def test_uneven_stages_pad_every_rank_to_the_largest_chunk():
+    cfg = small(first_stage_layers=3, last_stage_layers=5)
+    est = estimate(cfg)
+    assert est.stage_layers == (3, 5) and est.executor.chunk_layers == 5
+    # Both ranks hold 5 layers (the executor's chunks are padded) and the vocab tables.
+    assert est.params_local == 5 * LAYER_LOCAL + 2 * TABLE_LOCAL + H
+    assert est.inflight_layer_microbatches == 5
+
+
+def test_tied_embeddings_hold_one_table_but_reduce_both_gradients():
+    cfg = small()
+    cfg.model = dataclasses.replace(cfg.model, tie_embeddings=True)
+    est = estimate(cfg)
+    assert est.params_local == 4 * LAYER_LOCAL + TABLE_LOCAL + H
+    # The head's and the embedding's gradient accumulators are reduced separately.
+    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * TABLE_LOCAL + H) * 4
+
+
+def test_hfu_from_the_config_counts_the_executor():
+    """The trainer's metrics call hfu_flops_per_token(cfg): the configured stages decide."""
+    cfg = small()
+    layer_fwd = 2 * LAYER + 4 * H * S
+    assert flops.hfu_flops_per_token(cfg) == pytest.approx(
+        ledger.model_flops_per_token(cfg) + LAYERS * layer_fwd)
+    cfg.parallel = dataclasses.replace(cfg.parallel, stage=1)
+    assert flops.hfu_flops_per_token(cfg) == ledger.model_flops_per_token(cfg)
+
+
+def test_chunk_input_follows_dtype_and_sequence_parallelism():
+    cfg = small()
+    layout = ledger.layout_from_config(cfg, 8)
+    assert ledger.chunk_input_bytes(cfg, layout, S) == SBH * 2 / 2
+    no_sp = dataclasses.replace(layout, sequence_parallel=False)
+    assert ledger.chunk_input_bytes(cfg, no_sp, S) == SBH * 2
+    cfg.model = dataclasses.replace(cfg.model, compute_dtype="float32")
+    assert ledger.chunk_input_bytes(cfg, layout, S) == SBH * 4 / 2
+    assert memory.pipelined_activations(cfg, layout, cfg.remat, True, S,
+                                        ledger.executor(layout, (4, 4))).buffers == 4 * SBH * 2
+
+
+def test_pipelined_estimate_needs_no_jax():
+    code = ("import sys; from jaxtrain.config import load_recipe; from jaxtrain import ledger; "
+            "cfg = load_recipe('configs/llama70b.py'); "
+            "e = ledger.estimate(cfg, ledger.layout_from_config(cfg, 1024), 'h100'); "
+            "assert e.executor.steps == 100; "
+            "assert 'jax' not in sys.modules, 'the executor model pulled in jax'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
