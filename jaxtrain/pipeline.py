@@ -50,7 +50,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.layer_order import LayerOrder
-from jaxtrain.pipeline_schedule import Schedule, ScheduleError, StepTable, build_schedule
+from jaxtrain.pipeline_schedule import (Schedule, ScheduleError, StepTable, build_schedule,
+                                        step_flags)
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
            "Schedule", "pipelined_loss", "pipelined_value_and_grad", "gpipe_loss",
@@ -212,17 +213,6 @@ def _take(tree, k):
     return jax.tree.map(lambda a: a[k], tree)
 
 
-def _step_flags(table: StepTable, stages: int, virtual_stages: int, backward: bool) -> dict:
-    """Per-step booleans [num_steps] that are the same on every rank (cond predicates)."""
-    p, num_v = stages, stages * virtual_stages
-    cols = table.columns
-    rank = np.arange(p)[None, :]
-    f_last = (cols["f_chunk"] >= 0) & (cols["f_chunk"] * p + rank == num_v - 1)
-    # in training the last virtual stage's F is done by its B (one vjp for both)
-    f_work = (cols["f_chunk"] >= 0) & ~f_last if backward else cols["f_chunk"] >= 0
-    return {"any_f": f_work.any(1), "any_b": (cols["b_chunk"] >= 0).any(1)}
-
-
 def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[EmbedFn],
              chunk_params, head_params, embed_params, x, aux, chunk_aux, *,
              schedule: Schedule, mesh, backward: bool, fill: float,
@@ -254,7 +244,7 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
     to_right = [(i, (i + 1) % p) for i in range(p)]
     to_left = [(i, (i - 1) % p) for i in range(p)]
     cols = {k: jnp.asarray(a) for k, a in table.columns.items()}
-    flags = {k: jnp.asarray(a) for k, a in _step_flags(table, p, v, backward).items()}
+    flags = {k: jnp.asarray(a) for k, a in step_flags(table, p, v, backward).items()}
     with_caux = chunk_aux is not None
     chunk_aux = () if chunk_aux is None else chunk_aux
     combine = combine or SUM

@@ -251,6 +251,17 @@ def build_table(steps: list, stages: int, virtual_stages: int, microbatches: int
     return StepTable(cols, tuple(x_count), tuple(g_count))
 
 
+def step_flags(table: StepTable, stages: int, virtual_stages: int, backward: bool) -> dict:
+    """Per-step booleans [num_steps], the same on every rank: whether the step runs the F
+    (`any_f`) and the B (`any_b`) conditional. In training the last virtual stage's F is done
+    by its B (one vjp for both), so a step whose only F is that one skips the F."""
+    p, cols = stages, table.columns
+    f_last = (cols["f_chunk"] >= 0) & (cols["f_chunk"] * p + np.arange(p)[None, :]
+                                       == p * virtual_stages - 1)
+    f_work = (cols["f_chunk"] >= 0) & ~f_last if backward else cols["f_chunk"] >= 0
+    return {"any_f": f_work.any(1), "any_b": (cols["b_chunk"] >= 0).any(1)}
+
+
 def build_schedule(kind: str, stages: int, microbatches: int,
                    virtual_stages: int = 1) -> Schedule:
     """Simulate `kind` for p stages, m microbatches, v virtual stages per rank."""

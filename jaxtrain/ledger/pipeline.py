@@ -85,17 +85,12 @@ class Executor:
 @functools.lru_cache(maxsize=256)
 def _table(kind: str, p: int, m: int, v: int) -> tuple:
     """(steps, f_steps, b_steps, head_steps, stash_slots, grad_slots) of the training table."""
-    import numpy as np
-
-    from jaxtrain.pipeline_schedule import build_table, rank_orders, simulate
-    table = build_table(simulate(rank_orders(kind, p, m, v), p, v), p, v, m, backward=True)
-    cols = table.columns
-    f_chunk, b_chunk = cols["f_chunk"], cols["b_chunk"]
-    # In training the last virtual stage's F is done by its B (one vjp), so a step whose only
-    # F is that one skips the F conditional (as jaxtrain.pipeline's step flags do).
-    f_work = (f_chunk >= 0) & (f_chunk * p + np.arange(p) != p * v - 1)
-    return (table.num_steps, int(f_work.any(1).sum()), int((b_chunk >= 0).any(1).sum()),
-            int((b_chunk[:, p - 1] == v - 1).sum()), table.stash_slots, table.grad_slots)
+    from jaxtrain.pipeline_schedule import build_schedule, step_flags
+    table = build_schedule(kind, p, m, v).table
+    flags = step_flags(table, p, v, backward=True)
+    return (table.num_steps, int(flags["any_f"].sum()), int(flags["any_b"].sum()),
+            int((table.columns["b_chunk"][:, p - 1] == v - 1).sum()), table.stash_slots,
+            table.grad_slots)
 
 
 def executor(layout: Layout, stage_layers: tuple[int, ...]) -> Executor | None:
