@@ -22,8 +22,7 @@ devices, the model unchanged, and every change is printed with its reason:
   else the largest such divisor below it. virtual_stages, schedule, microbatches and
   first/last_stage_layers are kept when valid for that stage count: virtual_stages drops to
   the largest that still splits the layers (schedule 1f1b at 1), microbatches rounds up to a
-  multiple of stage for interleaving, the uneven split is dropped when stage changed or when
-  the trainer refuses it (and the pipeline is dropped, with the reason, if it refuses that);
+  multiple of stage for interleaving, the uneven split is dropped when stage changed;
 - context goes to 1 (not implemented yet);
 - tensor and fsdp keep the planned degree where it divides the n/stage devices of a stage
   (else the largest valid degree below it), data fills the rest;
@@ -220,14 +219,14 @@ def _split_problem(cfg: Config, stage: int, virtual: int, uneven: bool) -> str:
     return ""
 
 
-def _pick_stage(cfg: Config, P: Layout, n: int, keep_uneven: bool) -> tuple[int, int, bool]:
+def _pick_stage(cfg: Config, P: Layout, n: int) -> tuple[int, int, bool]:
     """(stage, virtual_stages, uneven split kept) on n devices: the planned stage when it divides
     n and splits the layers, else the largest such divisor of n below it; with the largest
     virtual_stages <= the planned one that still splits them."""
     for s in range(min(P.stage, n), 1, -1):
         if n % s:
             continue
-        uneven = keep_uneven and s == P.stage and _uneven_configured(cfg, P)
+        uneven = s == P.stage and _uneven_configured(cfg, P)
         for v in range(P.virtual_stages, 0, -1):
             if not _split_problem(cfg, s, v, uneven):
                 return s, v, uneven
@@ -241,28 +240,13 @@ def scale_to_devices(cfg: Config, planned: Planned, n: int) -> tuple[Config, lis
     if planned.layout is None:
         raise LayoutError(f"cannot scale the configured layout to {n} devices: {planned.error}")
     from jaxtrain import sharding
-    uneven_refused = pipeline_refused = ""
-    while True:
-        out, changes = _scaled(cfg, planned, n, uneven_refused, pipeline_refused)
-        try:
-            out.validate()
-            sharding.validate_layout(out, n)
-            return out, changes
-        except ConfigError as err:
-            # The trainer refuses what the ledger accepts (once: uneven stages, FP8 with
-            # stages): drop the uneven split first, then the pipeline, and say why.
-            p = out.parallel
-            if p.stage > 1 and (p.first_stage_layers or p.last_stage_layers) \
-                    and not uneven_refused:
-                uneven_refused = str(err)
-            elif p.stage > 1 and not pipeline_refused:
-                pipeline_refused = str(err)
-            else:
-                raise
+    out, changes = _scaled(cfg, planned, n)
+    out.validate()
+    sharding.validate_layout(out, n)
+    return out, changes
 
 
-def _scaled(cfg: Config, planned: Planned, n: int, uneven_refused: str,
-            pipeline_refused: str) -> tuple[Config, list[str]]:
+def _scaled(cfg: Config, planned: Planned, n: int) -> tuple[Config, list[str]]:
     P = planned.layout
     out = copy.deepcopy(cfg)
     changes = []
@@ -276,18 +260,15 @@ def _scaled(cfg: Config, planned: Planned, n: int, uneven_refused: str,
 
     layers, per_stage = cfg.model.num_layers, max(planned.estimate.stage_layers)
     uneven_cfg = _uneven_configured(cfg, P)
-    s, v, uneven = ((1, 1, False) if pipeline_refused else
-                    _pick_stage(cfg, P, n, keep_uneven=not uneven_refused))
+    s, v, uneven = _pick_stage(cfg, P, n)
     if s == P.stage:
         change("parallel.stage", s)
     else:
-        if pipeline_refused:
-            why = f"the trainer refuses the pipelined layout: {pipeline_refused}"
-        elif n % P.stage:
+        if n % P.stage:
             why = f"stage={P.stage} does not divide the {n} present devices"
         else:
             why = f"stage={P.stage} does not split the layers: " + _split_problem(
-                cfg, P.stage, 1, uneven_cfg and not uneven_refused)
+                cfg, P.stage, 1, uneven_cfg)
         if s > 1:
             why += f"; {s} is the largest degree below it that divides {n} and splits them"
         held = layers // s  # a reduced stage splits evenly
@@ -307,8 +288,7 @@ def _scaled(cfg: Config, planned: Planned, n: int, uneven_refused: str,
     else:
         change("parallel.microbatches", m)
     if (cfg.parallel.first_stage_layers or cfg.parallel.last_stage_layers) and not uneven:
-        why = (f"the trainer refuses it: {uneven_refused}" if uneven_refused and s == P.stage
-               else "no pipeline" if s == 1 else f"the uneven split is for stage={P.stage}")
+        why = "no pipeline" if s == 1 else f"the uneven split is for stage={P.stage}"
         change("parallel.first_stage_layers", 0, why)
         change("parallel.last_stage_layers", 0)
     change("parallel.context", 1, "context parallelism is not implemented yet")

@@ -8,9 +8,9 @@ import time
 import jax
 import pytest
 
-from jaxtrain import dry_run, sharding, step, trainer
+from jaxtrain import dry_run, step, trainer
 from jaxtrain.config import load_config
-from jaxtrain.ledger import GiB, LayoutError
+from jaxtrain.ledger import GiB
 from util import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ def change(changes, key):
     return found[0]
 
 
-def test_scaling_keeps_or_reduces_the_pipeline_with_reasons(monkeypatch):
+def test_scaling_keeps_or_reduces_the_pipeline_with_reasons():
     # Kept: stage=2 divides 8 and splits 80 layers into 2 x 10 chunks; so do the schedule,
     # microbatches and the configured uneven first/last stages.
     _, p, _, changes = scaled([], 1024)
@@ -157,40 +157,12 @@ def test_scaling_keeps_or_reduces_the_pipeline_with_reasons(monkeypatch):
                                           "--train.global_batch=20"], 10, base=TINY)
     assert (p.stage, p.virtual_stages, p.schedule) == (4, 1, "1f1b")
     assert "2 do not split the layers over stage=4" in change(changes, "parallel.virtual_stages")
-    # A trainer that refuses uneven stages: the split is dropped, then 4 stages no longer
-    # split 78 layers evenly and stage falls to 2.
-    real = sharding.validate_layout
-
-    def no_uneven(cfg, n):
-        if cfg.parallel.first_stage_layers and dry_run.min_devices(cfg) > 1:
-            raise LayoutError("uneven stages are not supported")
-        return real(cfg, n)
-    monkeypatch.setattr(sharding, "validate_layout", no_uneven)
+    # Uneven stages at the configured degree are kept (78 layers: 18 + 2 x 21 + 18).
     _, p, _, changes = scaled(["--model.num_layers=78", "--parallel.stage=4",
                                "--parallel.virtual_stages=1", "--parallel.schedule=1f1b",
                                "--parallel.first_stage_layers=18",
                                "--parallel.last_stage_layers=18"], 2048)
-    assert (p.stage, p.first_stage_layers, p.last_stage_layers) == (2, 0, 0)
-    assert "stage=4 does not split the layers: model.num_layers=78 is not divisible" in change(
-        changes, "parallel.stage")
-    _, p, _, changes = scaled(["--parallel.stage=4", "--parallel.virtual_stages=1",
-                               "--parallel.schedule=1f1b", "--parallel.first_stage_layers=17",
-                               "--parallel.last_stage_layers=21"], 1024)
-    assert (p.stage, p.first_stage_layers) == (4, 0)
-    assert "(the trainer refuses it: uneven stages are not supported)" in change(
-        changes, "parallel.first_stage_layers")
-    # A trainer that refuses a pipelined layout the ledger accepts (as it once did FP8 with
-    # stages): the dry run compiles stage=1 and says why.
-    def no_stages(cfg, n):
-        if sharding.mesh_shape(cfg, n)["stage"] > 1:
-            raise LayoutError("no stages today")
-        return real(cfg, n)
-    monkeypatch.setattr(sharding, "validate_layout", no_stages)
-    _, p, _, changes = scaled(["--parallel.stage=2", "--parallel.data=4"], 8, base=TINY)
-    assert (p.stage, p.data) == (1, 8)
-    assert change(changes, "parallel.stage").startswith(
-        "parallel.stage 2 -> 1 (the trainer refuses the pipelined layout: no stages today; "
-        "each device holds 4 of the 4 layers where the plan holds 2")
+    assert (p.stage, p.first_stage_layers, p.last_stage_layers) == (4, 18, 18), changes
 
 
 # A small model whose layers outweigh its vocab tables, so stages halve the parameters.
