@@ -34,11 +34,11 @@ LAYOUTS = {
                                "--parallel.schedule=1f1b", "--parallel.microbatches=8",
                                "--remat.granularity=full", "--remat.method=uniform",
                                "--remat.num_layers=1"],
-    "interleaved_p2_v2_m4_tensor2_sp_data2": [
+    "interleaved_p2_v2_m4_tensor2_sp_data2_zero1": [
         "--parallel.stage=2", "--parallel.tensor=2", "--parallel.sequence_parallel=true",
         "--parallel.data=-1",
         "--parallel.schedule=interleaved_1f1b", "--parallel.virtual_stages=2",
-        "--parallel.microbatches=4"],
+        "--parallel.microbatches=4", "--parallel.zero1=true"],
     # uneven stages (1 + 3 layers: chunks padded to 3, padding skipped per rank)
     "1f1b_p2_m4_first1_tensor2_data2_remat": [
         "--parallel.stage=2", "--parallel.first_stage_layers=1", "--parallel.tensor=2",
@@ -130,7 +130,7 @@ def test_data_parallel_reduction_happens_once_after_the_schedule_loop():
                for c in colls)
 
 
-@pytest.mark.parametrize("name", ["interleaved_p2_v2_m4_tensor2_sp_data2",
+@pytest.mark.parametrize("name", ["interleaved_p2_v2_m4_tensor2_sp_data2_zero1",
                                   "1f1b_p2_m4_first1_tensor2_data2_remat"])
 def test_layers_stored_in_chunk_order_never_move_between_stages(name):
     """Interleaved and uneven chunks hold layers out of model order; stored in chunk order
@@ -145,7 +145,7 @@ def test_layers_stored_in_chunk_order_never_move_between_stages(name):
 
 def test_forward_only_eval_sums_match():
     params, batch, ref_loss, ref_tokens, _ = reference()
-    setup = pipelined("interleaved_p2_v2_m4_tensor2_sp_data2")[0]
+    setup = pipelined("interleaved_p2_v2_m4_tensor2_sp_data2_zero1")[0]
     args = place(setup, params, batch)
     loss_sum, tokens = compile_fast(pipeline_model.eval_sums(setup), *args)(*args)
     assert float(tokens) == ref_tokens
