@@ -170,6 +170,11 @@ def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: Optional[int]):
   return mask
 
 
+def _split_refs(refs, has_segments: bool):
+  """(q segment ref, kv segment ref, output refs): segment ids, when given, come first."""
+  return (refs[0], refs[1], refs[2:]) if has_segments else (None, None, refs)
+
+
 def _cdiv(a, b: int):
   return lax.div(a + (b - 1), b)
 
@@ -179,11 +184,7 @@ def _cdiv(a, b: int):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
-  if cfg.has_segments:
-    q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
-  else:
-    q_seg_ref = kv_seg_ref = None
-    o_ref, lse_ref = refs
+  q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = _split_refs(refs, cfg.has_segments)
   block_q, head_dim = q_ref.shape
   block_k = cfg.block_k
   num_k_blocks = k_ref.shape[0] // block_k
@@ -304,11 +305,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, group: int):
-  if cfg.has_segments:
-    q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
-  else:
-    q_seg_ref = kv_seg_ref = None
-    dk_ref, dv_ref = refs
+  q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = _split_refs(refs, cfg.has_segments)
   block_k, head_dim = k_ref.shape
   block_q = cfg.block_q_bwd
   num_q_blocks = q_ref.shape[0] // block_q
@@ -365,11 +362,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config,
                num_q_blocks: int):
-  if cfg.has_segments:
-    q_seg_ref, kv_seg_ref, dq_ref = refs
-  else:
-    q_seg_ref = kv_seg_ref = None
-    (dq_ref,) = refs
+  q_seg_ref, kv_seg_ref, (dq_ref,) = _split_refs(refs, cfg.has_segments)
   block_q, head_dim = q_ref.shape
   block_k = cfg.block_k_bwd
   num_k_blocks = k_ref.shape[0] // block_k
