@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.config import ConfigError, Fp8Config
+from jaxtrain.sharding import varying_axes
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -234,17 +235,12 @@ def _fp8_bwd(st: _Static, res, g):
     return dx.astype(st.lhs_dtype), dw.astype(st.rhs_dtype), meta_ct
 
 
-def _varying(a) -> frozenset:
-    t = jax.typeof(a)
-    mat = getattr(t, "manual_axis_type", None)
-    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
-
-
 def _match_manual_axes(ct, primal):
     """Inside shard_map a cotangent must vary over the manual axes its primal varies over: an
     observation is max-reduced over axes only it varies over (TE's amax all-reduce; one count
     per observation, so the max keeps the encoding) and marked varying over the others."""
-    extra, missing = _varying(ct) - _varying(primal), _varying(primal) - _varying(ct)
+    extra = varying_axes(ct) - varying_axes(primal)
+    missing = varying_axes(primal) - varying_axes(ct)
     if extra:
         ct = jax.lax.pmax(ct, tuple(extra))
     return jax.lax.pcast(ct, tuple(missing), to="varying") if missing else ct

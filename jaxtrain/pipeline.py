@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.layer_order import LayerOrder
 from jaxtrain.pipeline_schedule import (Schedule, ScheduleError, StepTable, build_schedule,
                                         step_flags)
+from jaxtrain.sharding import varying_axes
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
            "Schedule", "pipelined_loss", "pipelined_value_and_grad", "gpipe_loss",
@@ -185,16 +186,10 @@ def _check_fn_shapes(call_chunk, head_loss_fn, act, chunk_params, head_params, a
 
 
 # ----------------------------------------------------------------------------- executor
-def _varying_axes(a) -> frozenset:
-    t = jax.typeof(a)
-    mat = getattr(t, "manual_axis_type", None)
-    return mat.varying if mat is not None else getattr(t, "vma", frozenset())
-
-
 def _vary(tree, axes):
     """Mark leaves varying over `axes` (identity on values); axes already varying are kept."""
     def cast(a):
-        missing = tuple(ax for ax in axes if ax not in _varying_axes(a))
+        missing = tuple(ax for ax in axes if ax not in varying_axes(a))
         return lax.pcast(a, missing, to="varying") if missing else a
     return jax.tree.map(cast, tree)
 

@@ -59,6 +59,13 @@ def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
     return shape
 
 
+def varying_axes(a) -> frozenset:
+    """The manual mesh axes (inside shard_map) over which `a` may differ between devices."""
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)  # jax 0.10 and 0.11 spell it differently
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
 # ----------------------------------------------------------------------------- specs
 
 def _mesh_axes_for(name, column, mesh, dim):
