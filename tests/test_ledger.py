@@ -79,6 +79,11 @@ def test_hfu_flops_follow_remat():
     with pytest.raises(ValueError, match="unknown"):
         ledger.recompute_flops_per_token(
             cfg, RematConfig(granularity="selective", modules=("attention_blob",)))
+    # every module the trainer accepts is priced (core_attn_out once crashed the HFU metric)
+    from jaxtrain.remat import MODULES
+    for mod in MODULES:
+        ledger.recompute_flops_per_token(cfg, RematConfig(granularity="selective",
+                                                          modules=(mod,)))
 
 
 def test_mfu_and_hfu():

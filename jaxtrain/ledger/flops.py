@@ -74,6 +74,7 @@ def _module_flops(model: ModelConfig, seq_len: int) -> dict[str, float]:
     return {"layer_input": 0.0, "attn_norm": 0.0, "mlp_norm": 0.0, "mlp_act": 0.0,
             "layernorm": 0.0,
             "qkv_proj": 2.0 * h * (H + 2 * K) * E, "core_attn": 4.0 * H * E * seq_len,
+            "core_attn_out": 4.0 * H * E * seq_len,   # QK^T and PV (remat.MODULES)
             "attn_out": 2.0 * H * E * h, "mlp_in": 4.0 * h * F, "mlp_out": 2.0 * F * h,
             "mlp": 6.0 * h * F}
 
