@@ -36,7 +36,6 @@ class Checkpointer:
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "data": ocp.JsonCheckpointHandler(),
                            LAYOUT_ITEM: ocp.JsonCheckpointHandler()})
-        self.cfg = cfg
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -48,15 +47,12 @@ class Checkpointer:
             items[LAYOUT_ITEM] = ocp.args.JsonSave(layer_order.to_json(order))
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def saved_order(self, step: int, num_layers: int) -> LayerOrder:
-        return read_layer_order(self.directory / str(step), num_layers)
-
     def restore(self, step: int, abstract_state, order: LayerOrder | None = None):
         """Restore `step` onto the shardings of `abstract_state` (ShapeDtypeStructs), whose
         layer-stacked leaves are in `order` (default: as saved)."""
         saved = order
         if order is not None:
-            saved = self.saved_order(step, order.num_layers)
+            saved = read_layer_order(self.directory / str(step), order.num_layers)
             if saved.num_layers != order.num_layers:
                 raise CheckpointMismatchError(
                     f"checkpoint {self.directory}/{step} holds {saved.num_layers} layers but the "
@@ -94,9 +90,6 @@ class Checkpointer:
                     f"checkpoint {self.directory}/{step}: {name} has shape {have} but the "
                     f"configured model needs {tuple(want.shape)}; the model config differs from "
                     "the one that wrote it (compare config.json), or use a fresh train.workdir")
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -29,7 +29,7 @@ class Throughput:
     """Turns wall time between logged steps into tokens/s, MFU and HFU."""
 
     def __init__(self, cfg: Config, n_devices: int):
-        self.cfg, self.n_devices = cfg, n_devices
+        self.n_devices = n_devices
         self.peak, self.peak_is_estimate = peak_flops_per_device(cfg)
         self.model_flops = model_flops_per_token(cfg)
         self.hardware_flops = hfu_flops_per_token(cfg)
@@ -82,10 +82,10 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.update(n)
 
-    def write(self, step: int, metrics: dict, prefix: str = "") -> None:
+    def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{f"{prefix}{k}": _plain(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for k, v in record.items():

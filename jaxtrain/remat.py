@@ -36,6 +36,7 @@ is not (its output feeds nothing the backward needs). `layernorm` drops both nor
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Callable, Sequence
 
@@ -320,6 +321,24 @@ def layer_runner(r: RematConfig) -> Callable:
         x = _scan_checkpointed(fn, nothing, x, _take(stacked, 0, n))
         return _scan(fn, x, _take(stacked, n, total)) if n < total else x
     return run_block
+
+
+def span_runner(r: RematConfig):
+    """`(start, stop) -> run_layers` for a layer range of the stack.
+
+    Every range gets the configured runner, except that block:N keeps meaning "the first N
+    layers are fully recomputed": each range recomputes its share of those N layers.
+    """
+    if r.policy or not (r.granularity == "full" and r.method == "block"):
+        runner = layer_runner(r)
+        return lambda start, stop: runner
+
+    def for_span(start, stop):
+        n = min(max(r.num_layers - start, 0), stop - start)
+        if n == 0:
+            return layer_runner(RematConfig())
+        return layer_runner(dataclasses.replace(r, num_layers=n))
+    return for_span
 
 
 def label(r: RematConfig) -> str:

@@ -37,7 +37,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxtrain import hlo, remat, sharding, step
 from jaxtrain.config import Config, ConfigError, RematConfig, load_config
@@ -78,7 +77,7 @@ def with_remat(cfg: Config, r: RematConfig) -> Config:
 
 
 def abstract_batch(cfg: Config, mesh) -> dict:
-    sh = NamedSharding(mesh, sharding.batch_spec(mesh))
+    sh = sharding.batch_sharding(mesh)
     shape = (cfg.train.global_batch, cfg.train.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                     sharding=sh) for k in step.BATCH_KEYS}
@@ -120,7 +119,7 @@ def random_batch(cfg: Config, mesh, seed: int = 0) -> dict:
             "targets": rng.integers(0, cfg.model.vocab_size, (b, s)),
             "segment_ids": np.ones((b, s)), "positions": np.broadcast_to(np.arange(s), (b, s)),
             "loss_mask": np.ones((b, s))}
-    sh = NamedSharding(mesh, sharding.batch_spec(mesh))
+    sh = sharding.batch_sharding(mesh)
     arrays = {k: np.asarray(v, np.float32 if k == "loss_mask" else np.int32)
               for k, v in host.items()}
     # Each process places only its own shards (works with several hosts too).

@@ -182,6 +182,11 @@ def batch_spec(mesh: Mesh) -> P:
     return P(axes if len(axes) > 1 else (axes[0] if axes else None), None)
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Where a global [B, S] batch lives: rows over (data, fsdp)."""
+    return NamedSharding(mesh, batch_spec(mesh))
+
+
 # ----------------------------------------------------------------------------- inspection
 
 def describe(logical_tree, shape_tree, mesh: Mesh, spec_tree=None) -> str:

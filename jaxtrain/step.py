@@ -28,11 +28,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import attention as attention_lib
 from jaxtrain import fp8 as fp8_lib
+from jaxtrain import hf
 from jaxtrain import layer_order
 from jaxtrain import model as model_lib
 from jaxtrain import optim, pipeline_model, remat, sharding
 from jaxtrain.checkpoint import CheckpointMismatchError
-from jaxtrain.config import Config, ConfigError, RematConfig
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.ledger.memory import padded_vocab
 from jaxtrain.layer_order import LayerOrder
@@ -78,24 +79,6 @@ def fp8_layers(cfg: Config) -> model_lib.Fp8Layers | None:
     return model_lib.Fp8Layers(fp8_lib.recipe_of(f), f.bf16_first_layers, f.bf16_last_layers)
 
 
-def span_runner(r: RematConfig):
-    """`(start, stop) -> run_layers` for a layer range of the stack.
-
-    Every range gets the configured runner, except that block:N keeps meaning "the first N
-    layers are fully recomputed": each range recomputes its share of those N layers.
-    """
-    if r.policy or not (r.granularity == "full" and r.method == "block"):
-        runner = remat.layer_runner(r)
-        return lambda start, stop: runner
-
-    def for_span(start, stop):
-        n = min(max(r.num_layers - start, 0), stop - start)
-        if n == 0:
-            return remat.layer_runner(RematConfig())
-        return remat.layer_runner(dataclasses.replace(r, num_layers=n))
-    return for_span
-
-
 def make_ops(cfg: Config, mesh: Mesh | None) -> model_lib.Ops:
     constrain = model_lib.identity_constrain
     if mesh is not None:
@@ -104,7 +87,7 @@ def make_ops(cfg: Config, mesh: Mesh | None) -> model_lib.Ops:
     fp8 = fp8_layers(cfg)
     return model_lib.Ops(constrain=constrain, attention=attention_lib.select(cfg.model, mesh, inside_data_vmap=True),
                          run_layers=remat.layer_runner(cfg.remat), fp8=fp8,
-                         span_runner=span_runner(cfg.remat) if fp8 is not None else None)
+                         span_runner=remat.span_runner(cfg.remat) if fp8 is not None else None)
 
 
 class Fp8LayoutError(ConfigError):
@@ -154,14 +137,14 @@ def validate_fp8(cfg: Config, tensor: int) -> None:
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
     layout = sharding.validate_layout(cfg, mesh.size)
-    v = cfg.parallel.virtual_stages if layout["stage"] > 1 else 1
-    remat.validate(cfg.remat, [n // v for n in stage_layer_counts(cfg, layout["stage"], v)])
+    p = layout["stage"]
+    v = cfg.parallel.virtual_stages if p > 1 else 1
+    stage_layers = stage_layer_counts(cfg, p, v)
+    remat.validate(cfg.remat, [n // v for n in stage_layers])
     validate_fp8(cfg, layout["tensor"])
     order = LayerOrder.natural(cfg.model.num_layers)
-    if layout["stage"] > 1:   # chunk order: each stage's layers in its own rows
-        p = layout["stage"]
-        order = LayerOrder.chunks(chunk_layer_counts(cfg.model.num_layers, p, v,
-                                                     stage_layer_counts(cfg, p, v)))
+    if p > 1:   # chunk order: each stage's layers in its own rows
+        order = LayerOrder.chunks(chunk_layer_counts(cfg.model.num_layers, p, v, stage_layers))
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=padded_vocab(cfg.model.vocab_size, layout["tensor"]),
         num_layers=len(order.rows))
@@ -255,6 +238,7 @@ def train_state_from_params(setup, params: dict):
     """A fresh train state (step 0, new optimizer state) around `params` (layers in model
     order), on `setup`'s shardings: how a run starts from imported weights. Pads the vocab to
     the setup's."""
+    params = hf.pad_vocab(params, setup.model_cfg.vocab_size)
     order = setup.layer_order
     have_layers = layer_order.stored_rows(params)
     if have_layers is not None and have_layers != order.num_layers:
@@ -365,7 +349,7 @@ def loss_and_grads(setup: Setup):
 def _shardings(setup: Setup):
     abstract = abstract_train_state(setup)
     state_sh = jax.tree.map(lambda s: s.sharding, abstract)
-    batch_sh = {k: NamedSharding(setup.mesh, sharding.batch_spec(setup.mesh)) for k in BATCH_KEYS}
+    batch_sh = {k: sharding.batch_sharding(setup.mesh) for k in BATCH_KEYS}
     return state_sh, batch_sh
 
 
@@ -421,7 +405,7 @@ def make_eval_step(setup: Setup):
                         spmd_axis_name="data")(mb)
         return jnp.sum(s), jnp.sum(c)
 
-    batch_sh = {k: NamedSharding(mesh, sharding.batch_spec(mesh)) for k in BATCH_KEYS}
+    batch_sh = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
     eval_step = (pipeline_model.eval_sums(setup) if mesh.shape["stage"] > 1
                  else unpipelined_sums)
     plain = jax.jit(lambda params, batch: eval_step(params, batch),

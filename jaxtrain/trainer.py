@@ -60,8 +60,7 @@ def pipeline_summary(cfg: Config, stages: int) -> str:
 
 def global_batch_array(setup, local_batch: dict) -> dict:
     """Assemble this process's rows into global arrays sharded over (data, fsdp)."""
-    spec = sharding.batch_spec(setup.mesh)
-    sh = jax.sharding.NamedSharding(setup.mesh, spec)
+    sh = sharding.batch_sharding(setup.mesh)
     if jax.process_count() == 1:
         return {k: jax.device_put(np.asarray(local_batch[k]), sh) for k in step_lib.BATCH_KEYS}
     return {k: jax.make_array_from_process_local_data(sh, np.asarray(local_batch[k]))
@@ -109,7 +108,6 @@ def train(cfg: Config, *, log=print) -> dict:
     elif cfg.checkpoint.init_from:
         from jaxtrain import hf
         params, _ = hf.load_params(cfg.checkpoint.init_from)
-        params = hf.pad_vocab(params, setup.model_cfg.vocab_size)
         state = step_lib.train_state_from_params(setup, params)
         log(f"initialised from {cfg.checkpoint.init_from}")
     else:
@@ -130,7 +128,6 @@ def train(cfg: Config, *, log=print) -> dict:
                 jax.profiler.start_trace(str(workdir / "profile"))
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 state, metrics = train_step(state, global_batch_array(setup, next(train_batches)))
-            data_state = train_batches.get_state()
             if pending is not None:
                 last_logged = _finish(pending, cfg, throughput, writer) or last_logged
             pending = (step, metrics)
@@ -152,7 +149,7 @@ def train(cfg: Config, *, log=print) -> dict:
                 writer.write(done, {"eval_loss": loss})
                 last_logged = {**last_logged, "eval_loss": loss}
             if saving:
-                ckpt.save(done, state, data_state, setup.layer_order)
+                ckpt.save(done, state, train_batches.get_state(), setup.layer_order)
             if exiting and done < cfg.train.steps:
                 writer.console(f"exiting at step {done} (train.exit_interval); rerun to resume")
                 break

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import fp8, sharding, step, trainer
+from jaxtrain import fp8, remat, sharding, step, trainer
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import CheckpointConfig, ConfigError, RematConfig
 from util import random_batch, tiny_config
@@ -100,7 +100,7 @@ def test_block_remat_recomputes_the_first_n_layers_across_the_ranges(monkeypatch
     seen = []
     monkeypatch.setattr(step.remat, "layer_runner",
                         lambda r: seen.append((r.granularity, r.method, r.num_layers)))
-    runner = step.span_runner(RematConfig(granularity="full", method="block", num_layers=2))
+    runner = remat.span_runner(RematConfig(granularity="full", method="block", num_layers=2))
     for start, stop in ((0, 1), (1, 3), (3, 4)):  # bf16 layer 0, fp8 layers 1-2, bf16 layer 3
         runner(start, stop)
     assert seen == [("full", "block", 1), ("full", "block", 1), ("none", "uniform", 0)]
