@@ -12,6 +12,7 @@ from __future__ import annotations
 import pathlib
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -108,6 +109,30 @@ def read_layer_order(step_dir: str | pathlib.Path, num_layers: int) -> LayerOrde
         return LayerOrder.natural(num_layers)
     d = ocp.JsonCheckpointHandler().restore(item, ocp.args.JsonRestore())
     return layer_order.from_json(d, num_layers)
+
+
+def read_saved_params(step_dir: str | pathlib.Path) -> dict:
+    """Only the params of a checkpoint step folder, as host numpy arrays (any device count),
+    in the layer order they were saved in."""
+    state_dir = pathlib.Path(step_dir) / "state"
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(state_dir)
+    tree = getattr(getattr(meta, "item_metadata", None), "tree", meta)
+    if "params" not in tree:
+        raise CheckpointMismatchError(f"{state_dir} holds no params; is it a jaxtrain train "
+                                      "state?")
+    params_meta = tree["params"]
+    item = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_meta)
+    restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray), params_meta)
+    out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
+        item={"params": item}, restore_args={"params": restore_args}, partial_restore=True))
+    return out["params"]
+
+
+def read_params(step_dir: str | pathlib.Path, num_layers: int) -> dict:
+    """A checkpoint step's params in model order (a pipelined run saves chunk order)."""
+    return layer_order.convert(read_saved_params(step_dir), read_layer_order(step_dir, num_layers),
+                               LayerOrder.natural(num_layers))
 
 
 def _in_order(abstract_state, order: LayerOrder):

@@ -465,30 +465,8 @@ def read_checkpoint(path: str | pathlib.Path, step: int | None = None) -> tuple[
         raise HfConversionError(f"{workdir} has no config.json (the trainer writes it); cannot "
                                 "tell the model's shape")
     cfg = from_dict(json.loads((workdir / "config.json").read_text()))
-    # a pipelined run stores its layers in chunk order: back to model order
-    from jaxtrain.checkpoint import read_layer_order
-    from jaxtrain.layer_order import LayerOrder, convert
-    L = cfg.model.num_layers
-    params = convert(_restore_params(step_dir / "state"), read_layer_order(step_dir, L),
-                     LayerOrder.natural(L))
-    return params, cfg
-
-
-def _restore_params(state_dir: pathlib.Path) -> dict:
-    """Only the params of a train-state checkpoint, as host numpy arrays (any device count)."""
-    import jax
-    import orbax.checkpoint as ocp
-    ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(state_dir)
-    tree = getattr(getattr(meta, "item_metadata", None), "tree", meta)
-    if "params" not in tree:
-        raise HfConversionError(f"{state_dir} holds no params; is it a jaxtrain train state?")
-    params_meta = tree["params"]
-    item = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_meta)
-    restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray), params_meta)
-    out = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
-        item={"params": item}, restore_args={"params": restore_args}, partial_restore=True))
-    return out["params"]
+    from jaxtrain.checkpoint import read_params
+    return read_params(step_dir, cfg.model.num_layers), cfg
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import hf, trainer
-from jaxtrain.checkpoint import CheckpointMismatchError, read_layer_order
+from jaxtrain.checkpoint import CheckpointMismatchError, read_layer_order, read_saved_params
 from jaxtrain.config import apply_overrides
 from util import tiny_config
 
@@ -68,7 +68,7 @@ def test_pipelined_checkpoint_resumes_unpipelined_and_exports_in_model_order(tmp
     step_dir = a / "checkpoints" / "2"
     order = read_layer_order(step_dir, 4)
     assert order.rows == (0, 2, 1, 3)
-    stored = hf._restore_params(step_dir / "state")["blocks"]["attn"]["wq"]["kernel"]
+    stored = read_saved_params(step_dir)["blocks"]["attn"]["wq"]["kernel"]
     exported, _ = hf.read_checkpoint(a, step=2)
     np.testing.assert_array_equal(exported["blocks"]["attn"]["wq"]["kernel"],
                                   stored[[0, 2, 1, 3]])
