@@ -476,3 +476,21 @@ def make_batches(cfg, split: str = "train", process_index: int = 0,
     seed = cfg.train.seed if split == "train" else _EVAL_SEED
     return BatchIterator(stream, split=split, seed=seed, global_batch=G,
                          process_index=process_index, process_count=process_count)
+
+
+def synthetic_batch(cfg, seed: int = 0, docs_per_row: int = 2) -> dict:
+    """A host batch [global_batch, seq_len] of random tokens, `docs_per_row` packed documents
+    per row (segment ids, per-document positions, the loss masked at each document's end):
+    for tests, sweeps and benchmarks that need the real batch format without a corpus."""
+    rng = np.random.default_rng(seed)
+    b, s = cfg.train.global_batch, cfg.train.seq_len
+    tokens = rng.integers(0, min(256, cfg.model.vocab_size), (b, s + 1)).astype(np.int32)
+    cut = s // docs_per_row
+    segment_ids = np.minimum(np.arange(s) // cut + 1, docs_per_row).astype(np.int32)
+    starts = (np.arange(s) // cut) * cut
+    positions = (np.arange(s) - np.minimum(starts, (docs_per_row - 1) * cut)).astype(np.int32)
+    loss_mask = np.ones(s, np.float32)
+    loss_mask[[cut * k - 1 for k in range(1, docs_per_row)]] = 0.0
+    tile = lambda x: np.tile(x, (b, 1))  # noqa: E731
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": tile(segment_ids),
+            "positions": tile(positions), "loss_mask": tile(loss_mask)}

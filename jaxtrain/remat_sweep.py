@@ -36,9 +36,8 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxtrain import hlo, remat, sharding, step
+from jaxtrain import data, hlo, remat, sharding, step
 from jaxtrain.config import Config, ConfigError, RematConfig, load_config
 from jaxtrain.ledger import flops as ledger_flops
 from jaxtrain.ledger.estimate import estimate
@@ -113,18 +112,10 @@ def ledger_estimates(cfg: Config, mesh) -> tuple[float | None, float | None]:
 
 def random_batch(cfg: Config, mesh, seed: int = 0) -> dict:
     """Random tokens, one document per row, placed with the step's batch sharding."""
-    rng = np.random.default_rng(seed)
-    b, s = cfg.train.global_batch, cfg.train.seq_len
-    host = {"inputs": rng.integers(0, cfg.model.vocab_size, (b, s)),
-            "targets": rng.integers(0, cfg.model.vocab_size, (b, s)),
-            "segment_ids": np.ones((b, s)), "positions": np.broadcast_to(np.arange(s), (b, s)),
-            "loss_mask": np.ones((b, s))}
     sh = sharding.batch_sharding(mesh)
-    arrays = {k: np.asarray(v, np.float32 if k == "loss_mask" else np.int32)
-              for k, v in host.items()}
     # Each process places only its own shards (works with several hosts too).
     return {k: jax.make_array_from_callback(a.shape, sh, lambda idx, a=a: a[idx])
-            for k, a in arrays.items()}
+            for k, a in data.synthetic_batch(cfg, seed, docs_per_row=1).items()}
 
 
 def zero_train_state(setup):

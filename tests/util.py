@@ -1,7 +1,8 @@
 """Small configs and batches shared by the tests."""
-import numpy as np
-
 from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_overrides
+from jaxtrain.data import synthetic_batch as random_batch
+
+__all__ = ["tiny_config", "random_batch"]
 
 
 def tiny_config(*overrides, workdir="runs/test") -> Config:
@@ -14,19 +15,3 @@ def tiny_config(*overrides, workdir="runs/test") -> Config:
     )
     apply_overrides(cfg, overrides)
     return cfg.validate()
-
-
-def random_batch(cfg: Config, seed: int = 0, docs_per_row: int = 2) -> dict:
-    """A packed batch of random tokens with `docs_per_row` documents per row."""
-    rng = np.random.default_rng(seed)
-    b, s = cfg.train.global_batch, cfg.train.seq_len
-    tokens = rng.integers(0, 256, (b, s + 1)).astype(np.int32)
-    cut = s // docs_per_row
-    segment_ids = np.minimum(np.arange(s) // cut + 1, docs_per_row).astype(np.int32)
-    starts = (np.arange(s) // cut) * cut
-    positions = (np.arange(s) - np.minimum(starts, (docs_per_row - 1) * cut)).astype(np.int32)
-    loss_mask = np.ones(s, np.float32)
-    loss_mask[[cut * k - 1 for k in range(1, docs_per_row)]] = 0.0
-    tile = lambda x: np.tile(x, (b, 1))  # noqa: E731
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": tile(segment_ids),
-            "positions": tile(positions), "loss_mask": tile(loss_mask)}
