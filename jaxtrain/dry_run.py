@@ -63,7 +63,8 @@ from jaxtrain.ledger import (Estimate, Executor, Gpu, Layout, LayoutError, descr
                              get_gpu)
 from jaxtrain.ledger.memory import layer_params_local, padded_vocab, workspace_bytes
 from jaxtrain.ledger.hardware import GB, GiB
-from jaxtrain.ledger.layout import layout_from_config, stage_layer_counts
+from jaxtrain.ledger.layout import layers_per_chunk, layout_from_config
+from jaxtrain.ledger.pipeline import RECEIVE_BUFFERS
 
 DEGREES = ("tensor", "stage", "data", "fsdp", "context")
 # The CPU backend's LLVM optimisation level changes code speed, not the HLO: buffer sizes,
@@ -212,8 +213,7 @@ def _split_problem(cfg: Config, stage: int, virtual: int, uneven: bool) -> str:
     if not uneven:
         p.first_stage_layers = p.last_stage_layers = 0
     try:
-        counts = stage_layer_counts(trial, stage, virtual)
-        remat.validate(cfg.remat, [c // virtual for c in counts])
+        remat.validate(cfg.remat, layers_per_chunk(trial, stage, virtual))
     except ConfigError as err:
         return str(err)
     return ""
@@ -464,8 +464,8 @@ class DryRun:
             chunk = e.activation_bytes - e.pipeline_buffer_bytes
             acts += (f" (the executor's {ex.buffers} chunk inputs of "
                      f"{_human_bytes(e.chunk_input_bytes)}: {ex.stash_buffer} stash, "
-                     f"{ex.grad_buffer} cotangent, 2 receive; + one {ex.chunk_layers}-layer chunk "
-                     f"recomputed in a B {chunk / scale:.2f})")
+                     f"{ex.grad_buffer} cotangent, {RECEIVE_BUFFERS} receive; + one "
+                     f"{ex.chunk_layers}-layer chunk recomputed in a B {chunk / scale:.2f})")
         out.append(f"  ledger terms ({unit}): static {e.static_bytes / scale:.2f} (" + ", ".join(
             f"{k} {v / scale:.2f}" for k, v in e.static_breakdown.items() if v)
             + f"; {e.bytes_per_param:.1f} B/param), {acts}, reserve {e.reserve_bytes / scale:.2f}"

@@ -42,7 +42,7 @@ from jaxtrain.config import Config, ConfigError, RematConfig, load_config
 from jaxtrain.ledger import flops as ledger_flops
 from jaxtrain.ledger.estimate import estimate
 from jaxtrain.ledger.hardware import GiB, gpu_for_device_kind
-from jaxtrain.ledger.layout import layout_from_config, stage_layer_counts
+from jaxtrain.ledger.layout import layers_per_chunk, layout_from_config, stage_layer_counts
 
 log = logging.getLogger("jaxtrain.remat")
 
@@ -62,12 +62,6 @@ class Row:
     ledger_recompute_overhead: float | None = None
     compile_s: float = 0.0
     step_time_s: float | None = None
-
-
-def chunk_layers(cfg: Config, n_stage: int) -> tuple[int, ...]:
-    """Layers per pipeline chunk (what block/uniform count in), one entry per stage."""
-    v = cfg.parallel.virtual_stages
-    return tuple(c // v for c in stage_layer_counts(cfg, n_stage, v))
 
 
 def with_remat(cfg: Config, r: RematConfig) -> Config:
@@ -159,7 +153,7 @@ def measure(cfg: Config, mesh, *, run: bool = False, steps: int = 5,
 
 def default_policies(cfg: Config, n_stage: int = 1) -> list[str]:
     """none, selective, a few block depths, full uniform (1 and 2), offload off CPU."""
-    chunk = min(chunk_layers(cfg, n_stage))
+    chunk = min(layers_per_chunk(cfg, n_stage, cfg.parallel.virtual_stages))
     out = ["none", "selective:core_attn", "selective:core_attn,mlp"]
     out += [f"block:{k}" for k in sorted({max(1, chunk // 4), max(1, chunk // 2),
                                           max(1, 3 * chunk // 4)}) if k < chunk]
@@ -183,7 +177,7 @@ def sweep(cfg: Config, mesh, policies: Sequence[str] | None = None, *, run: bool
     if "none" not in labels:
         configs.insert(0, RematConfig())
     for r in configs:  # fail on a bad policy before compiling anything
-        remat.validate(r, chunk_layers(cfg, mesh.shape["stage"]))
+        remat.validate(r, layers_per_chunk(cfg, mesh.shape["stage"], cfg.parallel.virtual_stages))
     rows = []
     for r in configs:
         row = measure(with_remat(cfg, r), mesh, run=run, steps=steps,
@@ -198,7 +192,7 @@ def sweep(cfg: Config, mesh, policies: Sequence[str] | None = None, *, run: bool
 
 
 def _auto_candidates(cfg: Config, n_stage: int) -> list[RematConfig]:
-    chunk = min(chunk_layers(cfg, n_stage))
+    chunk = min(layers_per_chunk(cfg, n_stage, cfg.parallel.virtual_stages))
     names = ["none", "selective:core_attn", "selective:core_attn,mlp",
              *[f"block:{k}" for k in range(1, chunk)], "uniform:1"]
     return [remat.parse(n) for n in names]

@@ -327,8 +327,9 @@ def describe(est: Estimate) -> str:
         mib = est.chunk_input_bytes / 2 ** 20
         lines.insert(1, (
             f"pipeline executor: {ex.steps} lock-step steps (idle {est.lockstep_bubble:.1%}), "
-            f"{2 * ex.steps} sends of {mib:.4g} MiB; buffers {ex.stash_buffer} stash + "
-            f"{ex.grad_buffer} cotangent + 2 receive x {mib:.4g} MiB; each B recomputes one "
+            f"{ex.sends} sends of {mib:.4g} MiB; buffers {ex.stash_buffer} stash + "
+            f"{ex.grad_buffer} cotangent + {pipeline.RECEIVE_BUFFERS} receive x {mib:.4g} MiB; "
+            "each B recomputes one "
             f"{ex.chunk_layers}-layer chunk"))
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines)

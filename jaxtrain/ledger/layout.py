@@ -174,6 +174,11 @@ def stage_layer_counts(cfg: Config, stage: int, virtual_stages: int = 1) -> tupl
     return (L // stage,) * stage
 
 
+def layers_per_chunk(cfg: Config, stage: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Layers in each stage's pipeline chunks (what remat block/uniform count in)."""
+    return tuple(c // virtual_stages for c in stage_layer_counts(cfg, stage, virtual_stages))
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -123,9 +123,8 @@ def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *,
 
 
 def layer_checkpoint_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
-    """What full recompute keeps per layer: its bf16 input (sharded over t with SP)."""
-    sbh = seq_len / layout.context * layout.micro_batch * cfg.model.hidden_size
-    return 2.0 * sbh / (layout.tensor if layout.sequence_parallel else 1) * _act_scale(cfg)
+    """What full recompute keeps per layer: its input, the size of a pipeline chunk input."""
+    return chunk_input_bytes(cfg, layout, seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
