@@ -29,6 +29,7 @@ the mesh the step was compiled with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -310,6 +311,14 @@ _RG_MAXIMAL_RE = re.compile(r"replica_groups=maximal_mesh\[")
 _PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\s*\}")
 
 
+@functools.lru_cache(maxsize=2)
+def _parsed(text: str) -> tuple[dict[str, _Computation], dict[str, _Reach]]:
+    """(computations, their reach) of a module text: parsed once when several readers ask
+    (the dry run reads collectives and FLOPs of the same large module)."""
+    comps, entry = parse_module(text)
+    return comps, _reach(comps, entry)
+
+
 def _ints(text: str) -> list[int]:
     return [int(t) for t in re.findall(r"\d+", text)]
 
@@ -524,8 +533,7 @@ def _wire_bytes(kind: str, payload: int, group_size: int) -> float:
 
 def collectives_from_text(text: str, mesh: Any) -> list[Collective]:
     """Collectives of an optimized HLO module text (see `collectives`)."""
-    comps, entry = parse_module(text)
-    reach = _reach(comps, entry)
+    comps, reach = _parsed(text)
     index = _MeshIndex(mesh)
     out = []
     for comp in comps.values():
@@ -696,8 +704,7 @@ def _matmul_flops(instr, comp) -> int:
 
 def matmul_flops_from_text(text: str) -> float:
     """Matmul FLOPs of one execution of an optimized HLO module, loops counted by trip count."""
-    comps, entry = parse_module(text)
-    reach = _reach(comps, entry)
+    comps, reach = _parsed(text)
     return float(sum(_matmul_flops(i, c) * reach[c.name].count
                      for c in comps.values() for i in c.instrs))
 
