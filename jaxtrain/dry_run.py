@@ -33,8 +33,8 @@ Dotted overrides apply first, so an explicit layout that fits (e.g. --parallel.t
 one (step.loss_and_grads dispatches to pipeline_model: the lock-step shard_map executor).
 
 What is compared, per device (fake CPU devices report memory_analysis() per device), against
-the ledger's estimate on the compiled layout (its worst pipeline stage; with stages the ledger
-models the lock-step executor itself, see jaxtrain.ledger.pipeline):
+the ledger's estimate on the compiled layout (every pipeline rank holds the same; with stages
+the ledger models the lock-step executor itself, see jaxtrain.ledger.pipeline):
 - memory: the compiled step's arguments (fp32 master params + Adam m, v, the batch) against the
   ledger's 12 optimizer bytes per parameter; its temporaries (activations, the compute-dtype
   parameter copy, fp32 gradients and accumulators, logits, workspace) against the ledger's

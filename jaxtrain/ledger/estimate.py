@@ -62,9 +62,8 @@ class Estimate:
     # parameters and FLOPs
     params_total: int
     params_non_embedding: int     # N of 6N
-    params_local: float           # held by one device of the worst stage (after TP, PP)
+    params_local: float           # held by one device (after TP, PP; every stage alike)
     stage_layers: tuple
-    worst_stage: int
     model_flops_per_token: float
     hfu_flops_per_token: float
     model_flops_per_step: float
@@ -167,33 +166,24 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
     ex = pipeline.executor(L, stage_layers)
     counts = flops.param_counts(m)
-    n_local = memory.stage_params_local(cfg, L, stage_layers)
+    n_local = memory.params_local(cfg, L, stage_layers)   # every pipeline rank alike
 
-    def activations(rm, n_layers):
+    def activations(rm):
         if ex is not None:
             return memory.pipelined_activations(cfg, L, rm, flash, seq, ex)
-        return memory.stage_activations(cfg, L, rm, flash, seq, n_layers, n_layers)
+        return memory.stage_activations(cfg, L, rm, flash, seq, m.num_layers, m.num_layers)
 
-    def stage_totals(rm):
-        rows = []
-        for r, n_layers in enumerate(stage_layers):
-            static = memory.static_bytes(cfg, L, n_local[r])
-            act = activations(rm, n_layers)
-            reserve = memory.reserve_bytes(cfg, L, seq)
-            rows.append((sum(static.values()) + act.total + reserve, static, act, reserve))
-        return rows
-
-    rows = stage_totals(remat)
-    worst = max(range(L.stage), key=lambda r: rows[r][0])
-    total, static, act, reserve = rows[worst]
-    by_remat = {name: max(row[2].total for row in stage_totals(rm))
-                for name, rm in REMAT_VARIANTS.items()}
+    static = memory.static_bytes(cfg, L, n_local)
+    act = activations(remat)
+    reserve = memory.reserve_bytes(cfg, L, seq)
+    total = sum(static.values()) + act.total + reserve
+    by_remat = {name: activations(rm).total for name, rm in REMAT_VARIANTS.items()}
     budget = memory.BUDGET_FRACTION * gpu.hbm_bytes
     fits = total <= budget
     static_total = sum(static.values())
     terms = {"static": static_total, "activations": act.total, "reserve": reserve}
     overflow = "" if fits else max(terms, key=terms.get)
-    reason = _fit_reason(terms, total, budget, gpu, overflow, worst)
+    reason = _fit_reason(terms, total, budget, gpu, overflow)
 
     # FLOPs
     tokens = L.global_batch * seq
@@ -203,16 +193,16 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     D = L.n_devices
     ideal = f_model * tokens / (D * peak)
 
-    # communication (worst stage: most parameters, most layers)
-    n_max, layers_max = max(n_local), max(stage_layers)
+    # communication (the stage with the most layers)
+    layers_max = max(stage_layers)
     max_chunks = ex.chunk_layers * L.virtual_stages if ex else layers_max  # layers held
     recomputed = (flops.recomputed_layers(cfg, remat, stage_layers, L.virtual_stages)
                   / m.num_layers if remat.granularity == "full" else 0.0)
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
     layer_local = memory.layer_params_local(cfg, L.tensor)
-    volumes = {"dp": comm.dp_bytes(L, n_max),
+    volumes = {"dp": comm.dp_bytes(L, n_local),
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
-               + comm.fsdp_bytes(L, n_max - max_chunks * layer_local),
+               + comm.fsdp_bytes(L, n_local - max_chunks * layer_local),
                "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
                "vocab": comm.vocab_bytes(cfg, L), "cp": comm.cp_bytes(cfg, L, seq, passes)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
@@ -270,10 +260,10 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     return Estimate(
         gpu=gpu, layout=L, seq_len=seq, global_batch=L.global_batch, remat=remat_label(remat),
         flash=flash, params_total=counts.total, params_non_embedding=counts.non_embedding,
-        params_local=n_local[worst], stage_layers=stage_layers, worst_stage=worst,
+        params_local=n_local, stage_layers=stage_layers,
         model_flops_per_token=f_model, hfu_flops_per_token=f_hfu,
         model_flops_per_step=f_model * tokens, hfu_flops_per_step=f_hfu * tokens,
-        bytes_per_param=static_total / n_local[worst], static_breakdown=static,
+        bytes_per_param=static_total / n_local, static_breakdown=static,
         static_bytes=static_total, activation_bytes_per_layer=act.per_layer,
         inflight_layer_microbatches=act.inflight, activation_bytes=act.total,
         activation_bytes_by_remat=by_remat, reserve_bytes=reserve, total_bytes=total,
@@ -291,17 +281,16 @@ _HINTS = {"static": "more tensor/stage parallelism, ZeRO-1 or FSDP",
           "reserve": "a smaller micro-batch or more tensor parallelism (vocab-parallel logits)"}
 
 
-def _fit_reason(terms, total, budget, gpu, overflow, worst) -> str:
+def _fit_reason(terms, total, budget, gpu, overflow) -> str:
     line = (f"static {terms['static'] / GiB:.1f} + activations {terms['activations'] / GiB:.1f} "
             f"+ reserve {terms['reserve'] / GiB:.1f} = {total / GiB:.1f} GiB")
     cap = (f"{budget / GiB:.1f} GiB budget (90% of {gpu.hbm_bytes / GiB:.0f} GiB "
            f"{gpu.name})")
-    where = f" on stage {worst}" if worst else ""
     if not overflow:
-        return f"fits: {line} <= {cap}{where}"
+        return f"fits: {line} <= {cap}"
     alone = terms[overflow] > budget
     head = f"{overflow} alone exceed" if alone else f"{overflow} overflow"
-    return f"{head}: {line} > {cap}{where}; try {_HINTS[overflow]}"
+    return f"{head}: {line} > {cap}; try {_HINTS[overflow]}"
 
 
 def describe(est: Estimate) -> str:

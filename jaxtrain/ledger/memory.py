@@ -79,17 +79,13 @@ def vocab_params_local(cfg: Config, tensor: int) -> float:
     return table * (1 if m.tie_embeddings else 2) + m.hidden_size
 
 
-def stage_params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> list[float]:
-    """Parameters one device of each pipeline stage holds (after TP and PP, before FSDP).
-
-    With stages, every rank holds v chunks of the largest chunk (padding included) and the
-    replicated embedding and head."""
-    layer = layer_params_local(cfg, layout.tensor)
+def params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
+    """Parameters one device holds (after TP and PP, before FSDP): the same on every pipeline
+    rank, which holds v chunks of the largest chunk (padding included) and the replicated
+    embedding and head."""
     v = layout.virtual_stages
-    if layout.stage == 1:
-        return [stage_layers[0] * layer + vocab_params_local(cfg, layout.tensor)]
-    padded = v * (max(stage_layers) // v)
-    return [padded * layer + vocab_params_local(cfg, layout.tensor)] * layout.stage
+    layers = v * (max(stage_layers) // v)
+    return layers * layer_params_local(cfg, layout.tensor) + vocab_params_local(cfg, layout.tensor)
 
 
 def static_bytes(cfg: Config, layout: Layout, n_local: float) -> dict[str, float]:
