@@ -63,7 +63,7 @@ from jaxtrain.ledger import (Estimate, Executor, Gpu, Layout, LayoutError, descr
                              get_gpu)
 from jaxtrain.ledger.memory import layer_params_local, padded_vocab, workspace_bytes
 from jaxtrain.ledger.hardware import GB, GiB
-from jaxtrain.ledger.layout import layers_per_chunk, layout_from_config
+from jaxtrain.ledger.layout import layers_per_chunk, layout_from_config, tensor_splits_model
 from jaxtrain.ledger.pipeline import RECEIVE_BUFFERS
 
 DEGREES = ("tensor", "stage", "data", "fsdp", "context")
@@ -181,9 +181,7 @@ def _devices(n: int) -> str:
 # ----------------------------------------------------------------------------- scaling
 
 def _tensor_ok(cfg: Config, t: int, n: int) -> bool:
-    m = cfg.model
-    return (n % t == 0 and m.num_heads % t == 0 and m.mlp_size % t == 0
-            and (m.num_kv_heads % t == 0 or t % m.num_kv_heads == 0)
+    return (n % t == 0 and tensor_splits_model(cfg.model, t)
             and (not cfg.parallel.sequence_parallel or cfg.train.seq_len % t == 0))
 
 

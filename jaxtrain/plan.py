@@ -22,7 +22,8 @@ from jaxtrain.ledger import (REMAT_VARIANTS, Estimate, Gpu, Layout, LayoutError,
                              get_gpu, layout_from_config)
 from jaxtrain.ledger.estimate import describe, uses_flash
 from jaxtrain.ledger.hardware import GB, GiB
-from jaxtrain.ledger.layout import resolve_degrees, stage_layer_counts
+from jaxtrain.ledger.layout import (divisors, resolve_degrees, stage_layer_counts,
+                                     tensor_splits_model)
 
 MICRO_BATCHES = (1, 2)
 LONG_SEQUENCE = 32768  # where context parallelism starts to pay (Megatron uses it from 32K)
@@ -66,19 +67,13 @@ def _mid(est: Estimate) -> float:
     return sum(est.expected_mfu) / 2
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def tensor_options(cfg: Config, n_devices: int, gpu: Gpu) -> list[int]:
-    m = cfg.model
-    return [t for t in _divisors(min(gpu.gpus_per_node, n_devices))
-            if n_devices % t == 0 and m.num_heads % t == 0 and m.mlp_size % t == 0
-            and (m.num_kv_heads % t == 0 or t % m.num_kv_heads == 0)]
+    return [t for t in divisors(min(gpu.gpus_per_node, n_devices))
+            if n_devices % t == 0 and tensor_splits_model(cfg.model, t)]
 
 
 def stage_options(cfg: Config, n_devices: int, per_stage: int) -> list[int]:
-    opts = [p for p in _divisors(cfg.model.num_layers) if n_devices % (per_stage * p) == 0]
+    opts = [p for p in divisors(cfg.model.num_layers) if n_devices % (per_stage * p) == 0]
     p_cfg = cfg.parallel.stage
     if p_cfg > 1 and p_cfg not in opts and n_devices % (per_stage * p_cfg) == 0:
         try:  # the config's uneven split (first/last_stage_layers)
@@ -100,7 +95,7 @@ def _layouts(cfg: Config, n_devices: int, t: int, p: int, c: int, fsdp: int):
     except LayoutError:
         return
     chunk_opts = [1] if p == 1 else [
-        v for v in _divisors(min(counts))
+        v for v in divisors(min(counts))
         if v == 1 or all(n % v == 0 and n // v >= MIN_LAYERS_PER_CHUNK for n in counts)]
     for b in MICRO_BATCHES:
         if G % (d * fsdp * b):
@@ -178,7 +173,7 @@ def plan(cfg: Config, n_devices: int, gpu: str | Gpu, *, fsdp: int = 1) -> Plan:
     if why_cp:
         seq = cfg.train.seq_len
         t_max = tensor_options(cfg, n_devices, gpu)[-1:]
-        for c in _divisors(n_devices)[1:]:
+        for c in divisors(n_devices)[1:]:
             if seq % c:
                 continue
             walk.append(f"{why_cp}: trying context={c}")
@@ -307,7 +302,7 @@ def explicit_layout(cfg: Config, n_devices: int, *, tensor=None, stage=None, vir
             raise LayoutError(
                 f"global_batch={G} is not divisible by data*fsdp={dp} x parallel.microbatches="
                 f"{par.microbatches}; pass --micro-batch (one of "
-                f"{[b for b in _divisors(G // dp) if b <= 16] if G % dp == 0 else 'none'})")
+                f"{[b for b in divisors(G // dp) if b <= 16] if G % dp == 0 else 'none'})")
         microbatches = par.microbatches
         micro_batch = G // (dp * microbatches)
     sp = par.sequence_parallel if sequence_parallel is None else sequence_parallel

@@ -118,7 +118,7 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
     t = L.tensor
     if m.num_heads % t:
         raise LayoutError(f"model.num_heads={m.num_heads} is not divisible by tensor={t}; choose "
-                          f"a tensor degree among {_divisors(m.num_heads)}")
+                          f"a tensor degree among {divisors(m.num_heads)}")
     if m.num_kv_heads % t and t % m.num_kv_heads:
         raise LayoutError(f"model.num_kv_heads={m.num_kv_heads} and tensor={t}: one must divide "
                           "the other (KV heads are sharded, or replicated when fewer than t)")
@@ -170,7 +170,7 @@ def stage_layer_counts(cfg: Config, stage: int, virtual_stages: int = 1) -> tupl
     if L % (stage * virtual_stages):
         raise LayoutError(
             f"model.num_layers={L} is not divisible by stage={stage} x virtual_stages="
-            f"{virtual_stages}; choose stage*virtual_stages among {_divisors(L)}")
+            f"{virtual_stages}; choose stage*virtual_stages among {divisors(L)}")
     return (L // stage,) * stage
 
 
@@ -179,8 +179,15 @@ def layers_per_chunk(cfg: Config, stage: int, virtual_stages: int = 1) -> tuple[
     return tuple(c // virtual_stages for c in stage_layer_counts(cfg, stage, virtual_stages))
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_splits_model(m, t: int) -> bool:
+    """Tensor degree t splits the heads and the MLP, and the KV heads split or replicate
+    (`validate_layout` names whichever fails)."""
+    return (m.num_heads % t == 0 and m.mlp_size % t == 0
+            and (m.num_kv_heads % t == 0 or t % m.num_kv_heads == 0))
 
 
 def _fmt(sizes: dict) -> str:
