@@ -343,7 +343,7 @@ def format_table(candidates: list) -> str:
     return "\n".join("  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in rows)
 
 
-def format_plan(cfg: Config, p: Plan) -> str:
+def format_plan(p: Plan) -> str:
     e0 = p.candidates[0].estimate
     head = (f"{p.n_devices} x {p.gpu.name}: {e0.params_total / 1e9:.2f} B params, seq "
             f"{e0.seq_len}, global batch {e0.global_batch}; memory in GiB (budget "
@@ -401,7 +401,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps([c.to_dict(i) for i, c in enumerate(result.candidates)], indent=1))
     else:
-        print(format_plan(cfg, result))
+        print(format_plan(result))
     return 0 if result.recommended else 1
 
 

@@ -196,7 +196,7 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     # communication (the stage with the most layers)
     layers_max = max(stage_layers)
     max_chunks = ex.chunk_layers * L.virtual_stages if ex else layers_max  # layers held
-    recomputed = (flops.recomputed_layers(cfg, remat, stage_layers, L.virtual_stages)
+    recomputed = (flops.recomputed_layers(remat, stage_layers, L.virtual_stages)
                   / m.num_layers if remat.granularity == "full" else 0.0)
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
     layer_local = memory.layer_params_local(cfg, L.tensor)

@@ -85,7 +85,7 @@ def layer_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
         * seq_len
 
 
-def recomputed_layers(cfg: Config, remat: RematConfig, stage_layers: tuple[int, ...],
+def recomputed_layers(remat: RematConfig, stage_layers: tuple[int, ...],
                       virtual_stages: int = 1) -> int:
     """Layers that full recompute re-runs: all for "uniform"; for "block" the first
     remat.num_layers of every pipeline chunk (0 means all)."""
@@ -110,7 +110,7 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
         return 0.0
     if remat.granularity == "full":
         stage_layers = stage_layers or (m.num_layers,)
-        n = recomputed_layers(cfg, remat, stage_layers, virtual_stages)
+        n = recomputed_layers(remat, stage_layers, virtual_stages)
         return n * layer_forward_flops_per_token(m, seq_len)
     table = _module_flops(m, seq_len)
     unknown = [x for x in remat.modules if x not in table]
