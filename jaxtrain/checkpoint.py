@@ -74,27 +74,32 @@ class Checkpointer:
         saved = meta["state"] if meta is not None else None
         if saved is None:
             return
-        saved_shapes = {_path_name(p): tuple(m.shape)
-                        for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
-        wanted = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-        wanted.sort(key=lambda pw: not _path_name(pw[0]).startswith("params"))  # params first
-        for path, want in wanted:
-            name = _path_name(path)
-            have = saved_shapes.get(name)
-            if have is None:
-                raise CheckpointMismatchError(
-                    f"checkpoint {self.directory}/{step} has no entry {name}; it was written for "
-                    "a different model or optimizer. Use a fresh train.workdir or "
-                    "checkpoint.resume=false")
-            if have != tuple(want.shape):
-                raise CheckpointMismatchError(
-                    f"checkpoint {self.directory}/{step}: {name} has shape {have} but the "
-                    f"configured model needs {tuple(want.shape)}; the model config differs from "
-                    "the one that wrote it (compare config.json), or use a fresh train.workdir")
+        check_shapes(saved, abstract_state, f"checkpoint {self.directory}/{step}",
+                     missing="it was written for a different model or optimizer. Use a fresh "
+                     "train.workdir or checkpoint.resume=false",
+                     different="the model config differs from the one that wrote it (compare "
+                     "config.json), or use a fresh train.workdir")
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def check_shapes(have, want, source: str, *, missing: str, different: str) -> None:
+    """Raise CheckpointMismatchError naming the first leaf of `want` (params first) that `have`
+    lacks or holds in another shape; both are pytrees of things with a .shape."""
+    have_shapes = {_path_name(p): tuple(a.shape)
+                   for p, a in jax.tree_util.tree_flatten_with_path(have)[0]}
+    wanted = jax.tree_util.tree_flatten_with_path(want)[0]
+    wanted.sort(key=lambda pw: not _path_name(pw[0]).startswith("params"))
+    for path, w in wanted:
+        name = _path_name(path)
+        if name not in have_shapes:
+            raise CheckpointMismatchError(f"{source} has no entry {name}; {missing}")
+        if have_shapes[name] != tuple(w.shape):
+            raise CheckpointMismatchError(
+                f"{source}: {name} has shape {have_shapes[name]} but the configured model needs "
+                f"{tuple(w.shape)}; {different}")
 
 
 def _path_name(path) -> str:

@@ -32,7 +32,7 @@ from jaxtrain import hf
 from jaxtrain import layer_order
 from jaxtrain import model as model_lib
 from jaxtrain import optim, pipeline_model, remat, sharding
-from jaxtrain.checkpoint import CheckpointMismatchError
+from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.ledger.memory import padded_vocab
@@ -246,15 +246,8 @@ def train_state_from_params(setup, params: dict):
                                       f"model has model.num_layers={order.num_layers}")
     params = layer_order.convert(params, LayerOrder.natural(order.num_layers), order)
     abstract = abstract_train_state(setup)
-    want = dict(jax.tree_util.tree_flatten_with_path(abstract["params"])[0])
-    have = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-    for key_path, spec in want.items():
-        name = jax.tree_util.keystr(key_path)
-        if key_path not in have:
-            raise CheckpointMismatchError(f"params have no {name}; they were made for another model")
-        if tuple(have[key_path].shape) != tuple(spec.shape):
-            raise CheckpointMismatchError(f"params {name} has shape {tuple(have[key_path].shape)} but "
-                                    f"the configured model needs {tuple(spec.shape)}")
+    check_shapes(params, abstract["params"], "params", missing="they were made for another model",
+                 different="they were made for another model config")
 
     def place(spec, x):
         x = np.asarray(x).astype(spec.dtype)
