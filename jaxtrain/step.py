@@ -172,16 +172,19 @@ def init_fp8_meta(setup: Setup):
                         nnx.to_pure_dict(setup.abstract_meta), is_leaf=fp8_lib.is_fp8_meta)
 
 
+def fresh_state(setup: Setup, params, fp8_meta=None) -> dict:
+    """The train state at step 0 around `params`: a new optimizer state, and the FP8 metas
+    (fresh ones when FP8 is on and none are given)."""
+    state = {"params": params, "opt_state": setup.optimizer.init(params),
+             "step": jnp.zeros((), jnp.int32)}
+    if setup.fp8 is not None:
+        state["fp8_meta"] = fp8_meta if fp8_meta is not None else init_fp8_meta(setup)
+    return state
+
+
 def abstract_train_state(setup: Setup):
     """Shapes and shardings of the train state, allocating nothing."""
-    def init_abstract():
-        params = nnx.to_pure_dict(setup.abstract_state)
-        state = {"params": params, "opt_state": setup.optimizer.init(params),
-                 "step": jnp.zeros((), jnp.int32)}
-        if setup.fp8 is not None:
-            state["fp8_meta"] = init_fp8_meta(setup)
-        return state
-    shapes = jax.eval_shape(init_abstract)
+    shapes = jax.eval_shape(lambda: fresh_state(setup, nnx.to_pure_dict(setup.abstract_state)))
     shardings = state_shardings(setup, shapes)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
@@ -225,12 +228,9 @@ def init_train_state(setup: Setup, seed: int):
                                 real_vocab=setup.cfg.model.vocab_size)
         params = layer_order.convert(nnx.to_pure_dict(nnx.state(model, nnx.Param)), natural,
                                      order)
-        state = {"params": params, "opt_state": setup.optimizer.init(params),
-                 "step": jnp.zeros((), jnp.int32)}
-        if setup.fp8 is not None:
-            state["fp8_meta"] = layer_order.convert(
-                nnx.to_pure_dict(nnx.state(model, model_lib.Fp8MetaState)), natural, order)
-        return state
+        metas = None if setup.fp8 is None else layer_order.convert(
+            nnx.to_pure_dict(nnx.state(model, model_lib.Fp8MetaState)), natural, order)
+        return fresh_state(setup, params, metas)
     return jax.jit(init, out_shardings=out_shardings)()
 
 
@@ -254,13 +254,9 @@ def train_state_from_params(setup, params: dict):
         return jax.make_array_from_callback(spec.shape, spec.sharding, lambda idx: x[idx])
     placed = jax.tree.map(place, abstract["params"], params)
     shardings = jax.tree.map(lambda s: s.sharding, abstract)
-    opt_state = jax.jit(setup.optimizer.init, out_shardings=shardings["opt_state"])(placed)
-    step = jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])
-    state = {"params": placed, "opt_state": opt_state, "step": step}
-    if setup.fp8 is not None:
-        state["fp8_meta"] = jax.jit(lambda: init_fp8_meta(setup),
-                                    out_shardings=shardings["fp8_meta"])()
-    return state
+    # donated: the placed params become the state's, not a second copy
+    return jax.jit(lambda p: fresh_state(setup, p), out_shardings=shardings,
+                   donate_argnums=0)(placed)
 
 
 def split_microbatches(batch, n_data: int, m: int):
