@@ -8,17 +8,17 @@ h reads KV head h // (H/K). Implementations:
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs, bf16/fp16.
 
 A kernel is an opaque custom call that GSPMD cannot split, so on a mesh `pallas` and `cudnn`
-run per shard under `jax.shard_map`: batch over (data, fsdp), heads over `tensor`, the sequence
-whole (context parallelism is not supported).
+run per shard under `jax.shard_map` (sharding.shard_attention: batch and heads where the rules
+table puts them, the sequence whole; context parallelism is not supported). Which core `auto`
+means, and whether the kernel is interpreted, follows the devices the program is compiled
+for (`sharding.platform`), so a compile for GPU targets picks what a GPU would run.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxtrain.pallas_kernels import FlashAttentionError, flash_attention
 
@@ -55,10 +55,15 @@ def xla_attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS, *, causal=True, sm_sca
     return out_BSKGE.reshape(b, s, h, e).astype(q_BSHE.dtype)
 
 
-def pallas_attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
-    """The flash kernel, causal; interpreted (slow, for tests) where there is no GPU."""
-    return flash_attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS, causal=True,
-                           interpret=jax.default_backend() != "gpu")
+@dataclasses.dataclass(frozen=True)
+class PallasAttention:
+    """The flash kernel, causal; `interpret` runs the Pallas interpreter (slow, for tests)
+    where the program's devices are not GPUs. Hashable by value (it lives in the graphdef)."""
+    interpret: bool = True
+
+    def __call__(self, q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
+        return flash_attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS, causal=True,
+                               interpret=self.interpret)
 
 
 def cudnn_attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
@@ -69,29 +74,15 @@ def cudnn_attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
                                         implementation="cudnn")
 
 
-_KERNELS = {"pallas": pallas_attention, "cudnn": cudnn_attention}
+# ----------------------------------------------------------------------------- per shard
 
-
-# ----------------------------------------------------------------------------- on a mesh
-
-def _axes_dividing(mesh: Mesh, axes, dim):
-    """The axes of `axes` (size > 1) to split a dim of size `dim` over, or None if they don't
-    divide it (then the dim is replicated and each device computes all of it)."""
-    axes = tuple(a for a in axes if mesh.shape[a] > 1)
-    size = 1
-    for a in axes:
-        size *= mesh.shape[a]
-    if not axes or dim % size:
-        return None
-    return axes if len(axes) > 1 else axes[0]
-
-
-def _local_kv(k_BSKE, v_BSKE, n_heads: int, tensor: int):
-    """Inside a shard holding heads [i·H/t, (i+1)·H/t) and all K KV heads (K not divisible by
-    t): the KV heads those query heads read, keeping h -> h // (H/K) exact."""
+def local_kv_heads(k_BSKE, v_BSKE, n_heads: int, shards: int, shard):
+    """In the `shard`-th of `shards` head shards, holding query heads [i·H/t, (i+1)·H/t) and all
+    K KV heads (K not divisible by t): the KV heads those query heads read, keeping
+    h -> h // (H/K) exact."""
     k_heads = k_BSKE.shape[2]
-    group, local_heads = n_heads // k_heads, n_heads // tensor
-    first_head = jax.lax.axis_index("tensor") * local_heads
+    group, local_heads = n_heads // k_heads, n_heads // shards
+    first_head = shard * local_heads
     if group % local_heads == 0:
         # The whole shard sits inside one group (t a multiple of K): one KV head, MQA locally.
         kv = first_head // group
@@ -102,53 +93,14 @@ def _local_kv(k_BSKE, v_BSKE, n_heads: int, tensor: int):
     return jnp.take(k_BSKE, kv_H, axis=2), jnp.take(v_BSKE, kv_H, axis=2)
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardedAttention:
-    """`kernel` applied per shard of `mesh` with jax.shard_map.
-
-    `inside_data_vmap`: the call happens under the train step's vmap over `data`
-    (spmd_axis_name="data"); shard_map's batching rule then adds `data` to the vmapped dim
-    itself, so the specs here split the batch over `fsdp` only (naming `data` is an error).
-    Hashable by value: nnx keeps it in the graph definition through `Ops`.
-    """
-    kernel: Callable
-    mesh: Mesh
-    inside_data_vmap: bool = False
-
-    def __call__(self, q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
-        mesh = self.mesh
-        b, _, n_heads, _ = q_BSHE.shape
-        k_heads = k_BSKE.shape[2]
-        if n_heads % k_heads:
-            raise AttentionConfigError(
-                f"{n_heads} query heads are not divisible by {k_heads} KV heads")
-        batch = _axes_dividing(mesh, ("fsdp",) if self.inside_data_vmap else ("data", "fsdp"), b)
-        heads = _axes_dividing(mesh, ("tensor",), n_heads)
-        kv_heads = heads if heads and k_heads % mesh.shape["tensor"] == 0 else None
-        q_spec = P(batch, None, heads, None)
-        kv_spec = P(batch, None, kv_heads, None)
-
-        def per_shard(q, k, v, seg):
-            if heads and not kv_heads:
-                k, v = _local_kv(k, v, n_heads, mesh.shape["tensor"])
-            return self.kernel(q, k, v, seg)
-
-        # check_vma=False: a pallas_call carries no varying-axes types for the checker. The
-        # specs are exact, and autodiff still sums replicated K/V's cotangents over `tensor`.
-        return jax.shard_map(per_shard, mesh=mesh,
-                             in_specs=(q_spec, kv_spec, kv_spec, P(batch, None)),
-                             out_specs=q_spec, check_vma=False)(
-            q_BSHE, k_BSKE, v_BSKE, segment_ids_BS)
-
-
 # ----------------------------------------------------------------------------- selection
 
-def resolve(impl: str) -> str:
-    """`auto` made concrete: pallas on GPU, xla elsewhere."""
+def resolve(impl: str, platform: str) -> str:
+    """`auto` made concrete for the devices the program is for: pallas on GPUs, xla elsewhere."""
     if impl not in IMPLEMENTATIONS:
         raise AttentionConfigError(f"model.attention={impl!r}; choose one of {IMPLEMENTATIONS}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return "pallas" if platform == "gpu" else "xla"
     return impl
 
 
@@ -161,12 +113,12 @@ def _check_pallas(model_cfg):
     kv = jax.ShapeDtypeStruct((1, 16, k, e), dtype)
     seg = jax.ShapeDtypeStruct((1, 16), jnp.int32)
     try:
-        jax.eval_shape(pallas_attention, q, kv, kv, seg)
+        jax.eval_shape(PallasAttention(interpret=True), q, kv, kv, seg)
     except FlashAttentionError as err:
         raise AttentionConfigError(f"model.attention=pallas: {err}") from err
 
 
-def _check_cudnn(model_cfg):
+def _check_cudnn(model_cfg, platform: str):
     e = model_cfg.resolved_head_dim
     if model_cfg.compute_dtype not in CUDNN_DTYPES:
         raise AttentionConfigError(
@@ -176,34 +128,31 @@ def _check_cudnn(model_cfg):
         raise AttentionConfigError(
             f"model.attention=cudnn needs a head dim that is a multiple of 8 and at most "
             f"{CUDNN_MAX_HEAD_DIM}, got {e}; use attention=pallas")
-    if jax.default_backend() != "gpu":
+    if platform != "gpu":
         raise AttentionConfigError(
-            f"model.attention=cudnn needs an NVIDIA GPU but the backend is "
-            f"{jax.default_backend()}; use attention=xla (or pallas, interpreted) here")
+            f"model.attention=cudnn needs an NVIDIA GPU but the program is for {platform} "
+            "devices; use attention=xla (or pallas, interpreted) here, or compile for a GPU "
+            "target (--dry-run --target h100)")
 
 
-def select(model_cfg, mesh: Optional[Mesh] = None, *, inside_data_vmap: bool = False):
-    """The `ops.attention` callable for `model.attention`, checked against the model config.
-
-    With a `mesh` of more than one device, kernels run per shard (see ShardedAttention);
-    `inside_data_vmap` says the model runs under the train step's vmap over `data`.
-    """
-    impl = resolve(model_cfg.attention)
+def select(model_cfg, platform: str):
+    """The per-device attention core for `model.attention` on `platform` devices ('gpu',
+    'cpu': see sharding.platform), checked against the model config. On a mesh, kernels run
+    per shard: sharding.shard_attention wraps them."""
+    impl = resolve(model_cfg.attention, platform)
     if model_cfg.num_heads % model_cfg.num_kv_heads:
         raise AttentionConfigError(
             f"model.num_heads={model_cfg.num_heads} is not divisible by "
             f"model.num_kv_heads={model_cfg.num_kv_heads}; pick a divisor of num_heads")
-    if mesh is not None and mesh.shape.get("context", 1) > 1:
-        raise AttentionConfigError(
-            f"parallel.context={mesh.shape['context']}: attention does not support context "
-            "parallelism (the sequence must be whole on every device); set parallel.context=1")
     if impl == "xla":
         return xla_attention  # GSPMD partitions it like any other jnp code
     if impl == "pallas":
         _check_pallas(model_cfg)
-    else:
-        _check_cudnn(model_cfg)
-    kernel = _KERNELS[impl]
-    if mesh is None or mesh.size == 1:
-        return kernel
-    return ShardedAttention(kernel, mesh, inside_data_vmap)
+        return PallasAttention(interpret=platform != "gpu")
+    _check_cudnn(model_cfg, platform)
+    return cudnn_attention
+
+
+def is_kernel(core) -> bool:
+    """True for an opaque kernel (pallas, cudnn), which GSPMD cannot split."""
+    return core is not xla_attention

@@ -539,7 +539,7 @@ def dry_run(cfg: Config, gpu: str | Gpu = "h100", *, devices: int | None = None,
         xla_flops = hlo.compiled_flops(compiled)
     except hlo.HloAnalysisUnavailable:
         xla_flops = None
-    flash = attention.select(scaled.model) is not attention.xla_attention
+    flash = attention.is_kernel(attention.select(scaled.model, sharding.platform(mesh)))
     layout = layout_from_config(scaled, len(present))
     est = estimate(scaled, layout, gpu, flash=flash)
     return DryRun(config_name=config_name, cfg=scaled, planned=planned, changes=changes,

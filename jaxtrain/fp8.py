@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.config import ConfigError, Fp8Config
-from jaxtrain.sharding import varying_axes
+from jaxtrain.compat import varying_axes
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2

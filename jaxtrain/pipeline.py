@@ -29,9 +29,10 @@ for tests. Called without a grad, `pipelined_loss` runs the same forward ops (ev
 most one chunk input waits per rank).
 
 Rules that keep the SPMD program correct (found the hard way, see notes/pipeline.md):
-- Values the same on every rank (params, x, aux) are cast to varying over the manual axes once,
-  at the top of the body: a vjp w.r.t. an invariant value makes autodiff psum its cotangent,
-  which would put a collective into every B step.
+- The shard_map is untyped (check_vma=False): the executor reduces by itself, once, after the
+  loop, so a vjp w.r.t. a value the same on every rank (params, x, aux) must return this
+  rank's part, not have autodiff psum it in every B step (what varying-axes typing does to
+  an invariant value); and opaque kernels inside (Pallas attention) carry no such types.
 - No collective over `stage` inside a branch taken by some stages only: it deadlocks. Branches
   that differ per stage (the head, the embedding's gradient, padded layers) hold only
   collectives over the automatic axes, whose device groups never span two stages.
@@ -52,7 +53,6 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.layer_order import LayerOrder
 from jaxtrain.pipeline_schedule import (Schedule, ScheduleError, StepTable, build_schedule,
                                         step_flags)
-from jaxtrain.sharding import varying_axes
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
            "Schedule", "pipelined_loss", "pipelined_value_and_grad", "gpipe_loss",
@@ -186,14 +186,6 @@ def _check_fn_shapes(call_chunk, head_loss_fn, act, chunk_params, head_params, a
 
 
 # ----------------------------------------------------------------------------- executor
-def _vary(tree, axes):
-    """Mark leaves varying over `axes` (identity on values); axes already varying are kept."""
-    def cast(a):
-        missing = tuple(ax for ax in axes if ax not in varying_axes(a))
-        return lax.pcast(a, missing, to="varying") if missing else a
-    return jax.tree.map(cast, tree)
-
-
 def _put(buf, slot, val):
     """buf[slot] = val when slot >= 0, else buf unchanged."""
     s = jnp.maximum(slot, 0)
@@ -247,7 +239,6 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
     def body(cp, hp, ep, x, aux, caux, cols, flags):
         r = lax.axis_index(STAGE_AXIS)
         cp = jax.tree.map(lambda a: a[0], cp)                 # this rank's chunks [v, ...]
-        cp, hp, ep, x, aux, caux = _vary((cp, hp, ep, x, aux, caux), manual)
 
         def call_chunk(pj, x_in, k=0):
             return chunk_fn(pj, x_in, _take(caux, k)) if with_caux else chunk_fn(pj, x_in)
@@ -256,12 +247,11 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
             return embed_fn(ep_, _take(x, k)) if embed_fn is not None else x[k]
 
         act = jax.eval_shape(embed, ep, 0)                    # one microbatch's activations
-        x_fill = _vary(jnp.full(act.shape, fill, act.dtype), manual)
+        x_fill = jnp.full(act.shape, fill, act.dtype)
         # (real arrays, not `act`: eval_shape rejects avals that carry manual axes)
         _check_fn_shapes(call_chunk, head_loss_fn, x_fill, _take(cp, 0), hp, _take(aux, 0))
         buf = lambda n: jnp.full((n,) + act.shape, fill, act.dtype)
-        # counters are the same on every data replica: varying over stage only
-        counter = lambda: lax.pcast(jnp.zeros((), jnp.int32), STAGE_AXIS, to="varying")
+        counter = lambda: jnp.zeros((), jnp.int32)
         carry = dict(stash=buf(n_stash), recv_x=x_fill, loss=jnp.zeros((), jnp.float32))
         if backward:
             carry.update(
@@ -273,7 +263,6 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
                                              ep)
             else:
                 carry["dx"] = buf(m)
-        carry = _vary(carry, manual)
         carry.update(held=counter(), peak=counter())
         f32 = lambda: jnp.zeros_like(carry["loss"])
 
@@ -399,7 +388,7 @@ def _execute(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, embed_fn: Optional[Emb
     out = jax.shard_map(
         body, mesh=mesh, axis_names=set(manual),
         in_specs=(P(STAGE_AXIS), P(), P(), specs(x), specs(aux), specs(chunk_aux), P(), P()),
-        out_specs=(P(),) + grad_specs + (P(STAGE_AXIS),),
+        out_specs=(P(),) + grad_specs + (P(STAGE_AXIS),), check_vma=False,
     )(chunk_params, head_params, embed_params, x, aux, chunk_aux, cols, flags)
     if backward:
         return out

@@ -50,29 +50,6 @@ CHUNK_AUX_KEYS = ("positions", "segment_ids")
 HEAD_AUX_KEYS = ("targets", "loss_mask")
 
 
-@dataclasses.dataclass(frozen=True)
-class _InShardMap:
-    """The model's activation constraint, made valid inside the executor's shard_map.
-
-    Inside a shard_map a constraint must name the context's abstract mesh (whose `stage` and
-    `data` are manual), not the concrete one; `batch` maps to the automatic `fsdp` only, as
-    inside the train step's data vmap. Outside a shard_map it is the wrapped constraint.
-    """
-    inner: Any
-
-    def __call__(self, x, names):
-        ctx = jax.sharding.get_abstract_mesh()
-        if ctx.empty or not ctx.manual_axes or not isinstance(self.inner,
-                                                              sharding.ActivationSharding):
-            return self.inner(x, names)
-        if "batch" not in names:
-            # A weight's compute layout (the embedding table, lm_head): constraining it here
-            # puts a sharding on its gradient in one branch of the executor's conditionals
-            # only, which XLA rejects ("Inconsistent conditional sharding"); GSPMD decides.
-            return x
-        return dataclasses.replace(self.inner, mesh=ctx, inside_data_vmap=True)(x, names)
-
-
 # What a layer of a chunk does, stacked with the layers as a float (the remat runners
 # differentiate every scanned leaf, so no integers): padding rows are zero.
 SKIP, PLAIN, FP8 = 0, 1, 2
@@ -196,11 +173,11 @@ def build(setup) -> PipelineModel:
     counts = pl.chunk_layer_counts(cfg.model.num_layers, p, v, stage_layers)
     schedule = pl.build_schedule(par.schedule, p, m, v)
     remat.validate(cfg.remat, sorted(set(counts.flat)))
-    base = nnx.merge(setup.graphdef, setup.abstract_state,
-                     *([setup.abstract_meta] if setup.abstract_meta is not None else []))
-    ops = dataclasses.replace(base.ops, constrain=_InShardMap(base.ops.constrain))
+    # Weights are left to GSPMD inside the executor's per-rank conditionals (ActivationSharding)
+    from jaxtrain.step import make_ops
+    ops = make_ops(cfg, mesh, constrain_weights=False)
     abstract = nnx.eval_shape(lambda: model_lib.Llama(setup.model_cfg, rngs=nnx.Rngs(0),
-                                                      ops=ops, real_vocab=base.real_vocab))
+                                                      ops=ops, real_vocab=cfg.model.vocab_size))
     if ops.fp8 is not None:
         graphdef, abstract_state, abstract_meta = nnx.split(abstract, nnx.Param,
                                                             model_lib.Fp8MetaState)

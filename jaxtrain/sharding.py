@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
 import numpy as np
@@ -59,13 +59,6 @@ def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
     return shape
 
 
-def varying_axes(a) -> frozenset:
-    """The manual mesh axes (inside shard_map) over which `a` may differ between devices."""
-    t = jax.typeof(a)
-    mat = getattr(t, "manual_axis_type", None)  # jax 0.10 and 0.11 spell it differently
-    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
-
-
 # ----------------------------------------------------------------------------- specs
 
 def _mesh_axes_for(name, column, mesh, dim):
@@ -77,7 +70,8 @@ def _mesh_axes_for(name, column, mesh, dim):
     if axes is None:
         return None
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    manual = set(mesh.manual_axes)  # inside a shard_map: those are the caller's, not ours
+    axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
     if not axes or dim % math.prod(mesh.shape[a] for a in axes):
         return None  # not divisible (e.g. 8 KV heads on tensor=16): replicate this dim
     return axes[0] if len(axes) == 1 else axes
@@ -139,29 +133,64 @@ def named(mesh: Mesh, spec_tree):
 
 # ----------------------------------------------------------------------------- activations
 
+def context_mesh(mesh):
+    """The mesh that shardings must name here: inside a shard_map the context's abstract mesh
+    (whose manual axes the caller owns and specs leave out), else `mesh`."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return ctx if not ctx.empty and ctx.manual_axes else mesh
+
+
+def platform(mesh) -> str:
+    """'gpu', 'cpu', ... of the devices a mesh is made of (compile-only GPUs included), so code
+    that picks an implementation follows the program's target, not the process's backend."""
+    if mesh is None:
+        return jax.default_backend()
+    return mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else mesh.abstract_mesh.platform
+
+
+def constrain(x, named_sharding: NamedSharding):
+    """with_sharding_constraint to `named_sharding`'s spec, valid inside a shard_map too: there
+    the spec is re-targeted at the context mesh with the manual axes left out."""
+    mesh = context_mesh(named_sharding.mesh)
+    if mesh is named_sharding.mesh:
+        return jax.lax.with_sharding_constraint(x, named_sharding)
+    manual = set(mesh.manual_axes)
+    parts = []
+    for axes in named_sharding.spec:
+        flat = tuple(a for a in ((axes,) if isinstance(axes, str) else (axes or ()))
+                     if a not in manual)
+        parts.append(flat[0] if len(flat) == 1 else (flat or None))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*parts)))
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationSharding:
     """The `constrain(x, logical_names)` the model calls, bound to a mesh.
 
-    `inside_data_vmap`: the train step vmaps over the `data` axis (so data-parallel gradient
-    reduction happens once per step); inside it `batch` maps to `fsdp` only.
+    Inside a shard_map (the train step's over `data`, the pipeline's over `stage` and `data`)
+    the constraint names the context mesh and leaves its manual axes to the caller: `batch`
+    then means `fsdp` alone. `constrain_weights=False` leaves weights (arrays without a
+    `batch` dim: the embedding table, lm_head) to GSPMD: inside the pipeline's per-rank
+    conditionals a constraint on a weight puts a sharding on its gradient in one branch only,
+    which XLA rejects ("Inconsistent conditional sharding").
     """
     mesh: Mesh
     sequence_parallel: bool = False
-    inside_data_vmap: bool = False
+    constrain_weights: bool = True
 
     def __call__(self, x, names):
+        if not self.constrain_weights and "batch" not in names:
+            return x
+        mesh = context_mesh(self.mesh)
         overrides = {}
         if self.sequence_parallel and not any(_uses_tensor(n) for n in names):
             # Only the residual stream ([batch, length, embed]) is split over the sequence;
             # arrays with a tensor-parallel dim (logits: vocab) keep tensor on that dim.
-            overrides["length"] = "tensor" if self.mesh.shape["tensor"] > 1 else None
-        if self.inside_data_vmap:
-            overrides["batch"] = "fsdp" if self.mesh.shape["fsdp"] > 1 else None
-        spec = logical_to_spec(names, x.shape, self.mesh, params=False, overrides=overrides)
+            overrides["length"] = "tensor" if mesh.shape["tensor"] > 1 else None
+        spec = logical_to_spec(names, x.shape, mesh, params=False, overrides=overrides)
         if self.sequence_parallel and "length" in names:
-            spec = _drop_if_indivisible(spec, x.shape, self.mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+            spec = _drop_if_indivisible(spec, x.shape, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _uses_tensor(name) -> bool:
@@ -213,3 +242,59 @@ def describe(logical_tree, shape_tree, mesh: Mesh, spec_tree=None) -> str:
     mesh_txt = " ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     lines.append(f"total parameter bytes per device: {total:,} (mesh {mesh_txt})")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@dataclasses.dataclass(frozen=True)
+class ShardedAttention:
+    """An attention kernel (opaque to GSPMD) run per shard with jax.shard_map: batch and heads
+    split where the rules table puts them (`batch`, `heads`, `kv_heads` activations) over the
+    context mesh's automatic axes — so it runs the same in the train step, inside the
+    pipeline's shard_map and on compile-only devices. When KV heads are fewer than the head
+    shards, K/V stay whole and each shard slices the KV heads its query heads read. Hashable
+    by value (nnx keeps it in the graph definition through `Ops`)."""
+    kernel: Callable
+    mesh: Mesh
+
+    def __call__(self, q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
+        from jaxtrain.attention import local_kv_heads
+        mesh = context_mesh(self.mesh)
+        b, _, n_heads, _ = q_BSHE.shape
+        batch = _mesh_axes_for("batch", 1, mesh, b)
+        heads = _mesh_axes_for("heads", 1, mesh, n_heads)
+        kv_heads = _mesh_axes_for("kv_heads", 1, mesh, k_BSKE.shape[2]) if heads else None
+        kv_heads = kv_heads if kv_heads == heads else None
+        head_shards = math.prod(mesh.shape[a] for a in _flat(heads))
+        q_spec, kv_spec = P(batch, None, heads, None), P(batch, None, kv_heads, None)
+
+        def per_shard(q, k, v, seg):
+            if heads and not kv_heads:
+                k, v = local_kv_heads(k, v, n_heads, head_shards, jax.lax.axis_index(heads))
+            return self.kernel(q, k, v, seg)
+
+        # check_vma=False: a pallas_call carries no varying-axes types for the checker (and
+        # jax 0.10's Pallas interpreter cannot type its loops). The specs are exact, and
+        # autodiff still sums replicated K/V's cotangents over `tensor`.
+        inner = {a for a in mesh.axis_names if a not in set(mesh.manual_axes)}
+        return jax.shard_map(per_shard, mesh=mesh, axis_names=inner,
+                             in_specs=(q_spec, kv_spec, kv_spec, P(batch, None)),
+                             out_specs=q_spec, check_vma=False)(
+            q_BSHE, k_BSKE, v_BSKE, segment_ids_BS)
+
+
+def _flat(axes) -> tuple:
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def shard_attention(core: Callable, mesh: Mesh | None) -> Callable:
+    """`ops.attention` on `mesh`: an opaque kernel per shard (ShardedAttention); the xla core
+    as it is (GSPMD partitions it like the rest of the model)."""
+    from jaxtrain.attention import AttentionConfigError, is_kernel
+    if mesh is not None and mesh.shape.get("context", 1) > 1:
+        raise AttentionConfigError(
+            f"parallel.context={mesh.shape['context']}: attention does not support context "
+            "parallelism (the sequence must be whole on every device); set parallel.context=1")
+    if mesh is None or mesh.size == 1 or not is_kernel(core):
+        return core
+    return ShardedAttention(core, mesh)

@@ -1,11 +1,12 @@
 """The model on a mesh: abstract init -> shardings -> sharded init, and the jitted train/eval steps.
 
-Gradient accumulation: the global batch [B, S] is viewed as [m, n_data, b, S] (m microbatches,
-n_data data-parallel replicas, b rows per replica and microbatch). The loss is vmapped over
-n_data with `spmd_axis_name="data"`, so each replica keeps its own gradient sum through the
-microbatch scan and the data-parallel reduction happens once, after the last microbatch
-(Megatron's behaviour; GSPMD would otherwise all-reduce inside the loop). FSDP's per-use
-gather/reduce-scatter over `fsdp` stays inside the loop, as in ZeRO-3.
+Gradient accumulation: each data-parallel replica runs the microbatch scan over its rows of the
+global batch [B, S] (`per_replica`: a shard_map with `data` manual, as the pipeline's) and
+keeps its own fp32 gradient sums; the data-parallel reduction happens once, after the last
+microbatch (Megatron's behaviour; GSPMD would otherwise all-reduce inside the loop), as a
+sum over the replicas' stacked sums that XLA turns into an all-reduce (a reduce-scatter
+under ZeRO-1). FSDP's per-use gather/reduce-scatter over `fsdp` stays inside the loop, as in
+ZeRO-3. Loss and gradients are sums over tokens until that reduction divides once.
 
 FP8 (fp8.enabled): the train state gains "fp8_meta", a pure dict of layer-stacked
 `fp8.Fp8Meta`s mirroring the projections' paths, replicated. The step differentiates the loss
@@ -79,13 +80,16 @@ def fp8_layers(cfg: Config) -> model_lib.Fp8Layers | None:
     return model_lib.Fp8Layers(fp8_lib.recipe_of(f), f.bf16_first_layers, f.bf16_last_layers)
 
 
-def make_ops(cfg: Config, mesh: Mesh | None) -> model_lib.Ops:
+def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) -> model_lib.Ops:
+    """The model's injected ops for `cfg` on `mesh` (None: one device, no constraints)."""
     constrain = model_lib.identity_constrain
     if mesh is not None:
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
-                                                inside_data_vmap=True)
+                                                constrain_weights=constrain_weights)
+    attention = sharding.shard_attention(
+        attention_lib.select(cfg.model, sharding.platform(mesh)), mesh)
     fp8 = fp8_layers(cfg)
-    return model_lib.Ops(constrain=constrain, attention=attention_lib.select(cfg.model, mesh, inside_data_vmap=True),
+    return model_lib.Ops(constrain=constrain, attention=attention,
                          run_layers=remat.layer_runner(cfg.remat), fp8=fp8,
                          span_runner=remat.span_runner(cfg.remat) if fp8 is not None else None)
 
@@ -259,12 +263,14 @@ def train_state_from_params(setup, params: dict):
                    donate_argnums=0)(placed)
 
 
-def split_microbatches(batch, n_data: int, m: int):
-    """[B, ...] -> [m, n_data, b, ...]. Row r of replica i's shard goes to microbatch r % m, so
-    the (data, fsdp) sharding of dim 0 carries over without moving data."""
+def split_microbatches(batch, m: int):
+    """[B, ...] -> [m, B/m, ...]. Row r of a device's rows goes to microbatch r % m, so the
+    sharding of dim 0 (over fsdp inside the step's shard_map) carries over without moving data."""
     def one(x):
-        b = x.shape[0] // (n_data * m)
-        return jnp.moveaxis(x.reshape(n_data, b, m, *x.shape[1:]), 2, 0)
+        if x.shape[0] % m:
+            raise ConfigError(f"a batch of {x.shape[0]} rows does not split into "
+                              f"parallel.microbatches={m}; change train.global_batch")
+        return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
     return {k: one(v) for k, v in batch.items()}
 
 
@@ -277,6 +283,24 @@ def loss_sums(setup: Setup, params, mb, fp8_meta=None):
     return model_lib.cross_entropy_sum(logits, mb["targets"], mb["loss_mask"])
 
 
+def per_replica(setup: Setup, fn):
+    """`fn(params, meta, rows) -> outputs` run once per data replica on its rows of the batch:
+    a shard_map with `data` manual (every other axis stays automatic), each output stacked on
+    a new leading dim over `data`. The caller reduces that dim once, after everything the
+    replicas accumulate: the one data-parallel reduction of the step (GSPMD alone all-reduces
+    each microbatch's gradients inside the loop).
+
+    Untyped (check_vma=False), as the executor reduces by itself: a gradient w.r.t. the
+    replicated params is this replica's part, never psum'd by autodiff, and an opaque kernel
+    (Pallas attention) needs no varying-axes types inside."""
+    def body(params, meta, rows):
+        return jax.tree.map(lambda a: a[None], fn(params, meta, rows))
+    if setup.mesh.shape["data"] == 1:
+        return body
+    return jax.shard_map(body, mesh=setup.mesh, axis_names={"data"},
+                         in_specs=(P(), P(), P("data")), out_specs=P("data"), check_vma=False)
+
+
 def loss_and_grads(setup: Setup):
     """`fn(params, batch, fp8_meta=None) -> (loss, tokens, grads, meta_grad)` for a whole
     global batch: microbatch accumulation with one data-parallel reduction at the end (the
@@ -285,47 +309,49 @@ def loss_and_grads(setup: Setup):
     `fp8.apply_meta_update`. With pipeline stages the schedule runs the microbatches."""
     if setup.mesh.shape["stage"] > 1:
         return pipeline_model.loss_and_grads(setup)
-    cfg, mesh = setup.cfg, setup.mesh
-    n_data, m = mesh.shape["data"], cfg.parallel.microbatches
+    cfg = setup.cfg
+    m = cfg.parallel.microbatches
     compute_dtype = jnp.dtype(cfg.model.compute_dtype)
-    acc_shardings = jax.tree.map(
-        lambda sh: NamedSharding(mesh, P("data", *sh.spec)), setup.compute_shardings)
 
-    def per_replica(params, meta, mb):
-        if meta is None:
-            (s, c), g = jax.value_and_grad(lambda p: loss_sums(setup, p, mb), has_aux=True)(params)
-            return s, c, g, None
-        (s, c), (g, mg) = jax.value_and_grad(
-            lambda p, mt: loss_sums(setup, p, mb, mt), argnums=(0, 1), has_aux=True)(params, meta)
-        return s, c, g, mg
-    replica_grads = jax.vmap(per_replica, in_axes=(None, None, 0), spmd_axis_name="data")
-
-    def fn(params, batch, fp8_meta=None):
-        if cfg.parallel.zero1:
-            # Distributed optimizer: gather a compute-dtype copy once per step.
-            params = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
-                p.astype(compute_dtype), sh), params, setup.compute_shardings)
+    def replica_sums(params, meta, rows):
+        """One replica: (loss sum, tokens, fp32 gradient sums, max amax observations)."""
+        def mb_grads(mb):
+            if meta is None:
+                (s, c), g = jax.value_and_grad(lambda p: loss_sums(setup, p, mb),
+                                               has_aux=True)(params)
+                return s, c, g, None
+            (s, c), (g, mg) = jax.value_and_grad(
+                lambda p, mt: loss_sums(setup, p, mb, mt), argnums=(0, 1),
+                has_aux=True)(params, meta)
+            return s, c, g, mg
 
         def accumulate(carry, mb):
             loss_acc, count_acc, grad_acc, meta_acc = carry
-            s, c, g, mg = replica_grads(params, fp8_meta, mb)
-            grad_acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grad_acc, g)
-            grad_acc = jax.tree.map(jax.lax.with_sharding_constraint, grad_acc, acc_shardings)
+            s, c, g, mg = mb_grads(mb)
+            grad_acc = jax.tree.map(lambda a, x, sh: sharding.constrain(
+                a + x.astype(jnp.float32), sh), grad_acc, g, setup.compute_shardings)
             if meta_acc is not None:
                 # Observations are max-combined, never summed: the step's amax is the max over
                 # microbatches (and below, over replicas), as TE's amax reduction.
                 meta_acc = fp8_lib.combine_meta_grads(meta_acc, mg)
             return (loss_acc + s, count_acc + c, grad_acc, meta_acc), None
 
-        zeros = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
-            jnp.zeros((n_data, *p.shape), jnp.float32), sh), params, acc_shardings)
+        zeros = jax.tree.map(lambda p, sh: sharding.constrain(
+            jnp.zeros(p.shape, jnp.float32), sh), params, setup.compute_shardings)
         # A zero observation has use count 0: it means "not seen" to combine_meta_grads.
-        no_obs = None if fp8_meta is None else jax.tree.map(
-            lambda a: jnp.zeros((n_data, *a.shape), jnp.float32), fp8_meta)
-        init = (jnp.zeros((n_data,), jnp.float32), jnp.zeros((n_data,), jnp.float32), zeros,
-                no_obs)
-        (loss_sum, count, grad_sum, meta_obs), _ = jax.lax.scan(
-            accumulate, init, split_microbatches(batch, n_data, m))
+        no_obs = None if meta is None else jax.tree.map(jnp.zeros_like, meta)
+        zero = jnp.zeros((), jnp.float32)
+        out, _ = jax.lax.scan(accumulate, (zero, zero, zeros, no_obs),
+                              split_microbatches(rows, m))
+        return out
+    run = per_replica(setup, replica_sums)
+
+    def fn(params, batch, fp8_meta=None):
+        if cfg.parallel.zero1:
+            # Distributed optimizer: gather a compute-dtype copy once per step.
+            params = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
+                p.astype(compute_dtype), sh), params, setup.compute_shardings)
+        loss_sum, count, grad_sum, meta_obs = run(params, fp8_meta, batch)
         # The one data-parallel reduction of the step.
         total = jnp.maximum(jnp.sum(count), 1.0)
         grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(
@@ -385,13 +411,10 @@ def make_eval_step(setup: Setup):
     """Jitted `(params, batch, fp8_meta=None) -> (loss sum, tokens)`. With FP8 on, passing the
     train state's metas evaluates in FP8 as training runs; without them, in the compute dtype."""
     mesh = setup.mesh
-    n_data = mesh.shape["data"]
+    replica_sums = per_replica(setup, lambda p, meta, rows: loss_sums(setup, p, rows, meta))
 
     def unpipelined_sums(params, batch, fp8_meta=None):
-        mbs = split_microbatches(batch, n_data, 1)
-        mb = {k: v[0] for k, v in mbs.items()}
-        s, c = jax.vmap(lambda mbi: loss_sums(setup, params, mbi, fp8_meta),
-                        spmd_axis_name="data")(mb)
+        s, c = replica_sums(params, fp8_meta, batch)
         return jnp.sum(s), jnp.sum(c)
 
     batch_sh = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}

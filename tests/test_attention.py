@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxtrain import attention, sharding, step
 from jaxtrain.config import ModelConfig
@@ -82,10 +82,10 @@ def _mesh(**degrees):
 
 def test_uneven_groups_and_unsplittable_batch():
     """Query heads whose groups straddle tensor shards unevenly (H=12, K=3, t=2: shard 0 reads
-    KV heads 0,0,0,0,1,1) and a batch row per data replica that fsdp=2 cannot split, under the
-    train step's vmap over data."""
+    KV heads 0,0,0,0,1,1) and a batch row per data replica that fsdp=2 cannot split, inside a
+    shard_map with `data` manual, as the train step runs the model."""
     mesh = _mesh(data=2, fsdp=2, tensor=2)
-    sharded = attention.ShardedAttention(attention.pallas_attention, mesh, inside_data_vmap=True)
+    sharded = sharding.ShardedAttention(attention.PallasAttention(interpret=True), mesh)
     rng = np.random.default_rng(0)
     b, s, h, k, e = 2, 32, 12, 3, 16
     q_BSHE, w_BSHE = (jnp.asarray(rng.standard_normal((b, s, h, e), np.float32))
@@ -95,9 +95,9 @@ def test_uneven_groups_and_unsplittable_batch():
     seg_BS = jnp.asarray(np.tile(np.repeat([1, 2, 3], [10, 10, 12]), (b, 1)), jnp.int32)
 
     def loss(attn, q, k, v):
-        def per_replica(*rows):  # one batch row per data replica, as [1, S, ...]
-            return attn(*(x[None] for x in rows))[0]
-        o_BSHE = jax.vmap(per_replica, spmd_axis_name="data")(q, k, v, seg_BS)
+        # one batch row per data replica, as the train step's shard_map over data gives it
+        o_BSHE = jax.shard_map(attn, mesh=mesh, axis_names={"data"}, in_specs=P("data"),
+                               out_specs=P("data"), check_vma=False)(q, k, v, seg_BS)
         return jnp.sum(o_BSHE * w_BSHE)
 
     def loss_and_grads(attn):
@@ -117,14 +117,20 @@ def _model(**kw):
     return ModelConfig(**{**fields, **kw})
 
 
+def _on_mesh(model, mesh):
+    return sharding.shard_attention(attention.select(model, sharding.platform(mesh)), mesh)
+
+
 def test_selection():
-    assert attention.select(_model(attention="auto")) is attention.xla_attention  # CPU
-    assert attention.select(_model(attention="pallas")) is attention.pallas_attention
-    assert attention.select(_model(attention="pallas"), _mesh()) is attention.pallas_attention
-    sharded = attention.select(_model(attention="pallas"), _mesh(tensor=2), inside_data_vmap=True)
-    assert isinstance(sharded, attention.ShardedAttention) and sharded.inside_data_vmap
+    assert attention.select(_model(attention="auto"), "cpu") is attention.xla_attention
+    assert attention.select(_model(attention="auto"), "gpu") == attention.PallasAttention(False)
+    interpreted = attention.PallasAttention(interpret=True)
+    assert attention.select(_model(attention="pallas"), "cpu") == interpreted
+    assert _on_mesh(_model(attention="pallas"), _mesh()) == interpreted
+    sharded = _on_mesh(_model(attention="pallas"), _mesh(tensor=2))
+    assert isinstance(sharded, sharding.ShardedAttention) and sharded.kernel == interpreted
     # GSPMD partitions the XLA path; it needs no shard_map.
-    assert attention.select(_model(attention="xla"), _mesh(tensor=2)) is attention.xla_attention
+    assert _on_mesh(_model(attention="xla"), _mesh(tensor=2)) is attention.xla_attention
 
 
 @pytest.mark.parametrize("model, mesh, message", [
@@ -139,4 +145,4 @@ def test_selection():
 ])
 def test_selection_errors(model, mesh, message):
     with pytest.raises(attention.AttentionConfigError, match=message):
-        attention.select(_model(**model), _mesh(**mesh) if mesh else None)
+        _on_mesh(_model(**model), _mesh(**mesh) if mesh else None)
