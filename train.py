@@ -1,5 +1,6 @@
 """jaxtrain's command line: `python train.py --config configs/tiny.py [--train.steps=20 ...]`."""
 import argparse
+import os
 import sys
 
 from jaxtrain import cli
@@ -14,14 +15,22 @@ def main(argv=None):
                         help="compile the train step from abstract parameters on the present "
                              "devices (the layout scaled to fit them), print compiled memory and "
                              "collectives next to the ledger's prediction, then exit")
-    parser.add_argument("--gpu", default="h100",
+    parser.add_argument("--gpu", default=None,
                         help="the GPU the ledger plans for: h100 (default), h200, a100, cpu")
+    parser.add_argument("--target", default=None,
+                        help="with --dry-run: compile for N compile-only GPUs of this kind (h100, "
+                             "h200) with the real XLA:GPU compiler; needs the gpu-compile extra")
+    parser.add_argument("--json", action="store_true",
+                        help="with --dry-run: print the report as JSON (for scripts)")
     parser.add_argument("--devices", type=int, default=None,
                         help="plan the configured layout for N devices (resolves its -1 fill); "
                              "default: the fewest on which it fits --gpu per the ledger")
     args, overrides = parser.parse_known_args(argv)
+    if args.target:  # compile-only GPUs need the CPU backend, chosen before jax starts
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     return cli.run(args.config, overrides, inspect_sharding=args.inspect_sharding,
-                   dry_run=args.dry_run, gpu=args.gpu, devices=args.devices)
+                   dry_run=args.dry_run, gpu=args.gpu, devices=args.devices,
+                   target=args.target, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -39,21 +39,35 @@ def maybe_initialize_distributed() -> None:
 
 
 def run(config_path: str, overrides, *, inspect_sharding: bool = False, dry_run: bool = False,
-        gpu: str = "h100", devices: int | None = None) -> int:
-    """`gpu`: what the ledger plans for; `devices`: the device count to plan the configured
-    layout for (resolves a -1 fill), which training requires to be the devices present."""
+        gpu: str | None = None, devices: int | None = None, target: str | None = None,
+        as_json: bool = False) -> int:
+    """`gpu`: what the ledger plans for (default h100); `devices`: the device count to plan
+    the configured layout for (resolves a -1 fill), which training requires to be the devices
+    present; `target`: compile the dry run for that many compile-only GPUs of this kind."""
+    import json
+
     from jaxtrain import dry_run as dry_run_lib
+    from jaxtrain import targets
     from jaxtrain.ledger import get_gpu
     try:
         cfg = load_config(config_path, overrides)
-        plan_gpu = get_gpu(gpu)
+        plan_gpu = get_gpu(gpu or "h100")
         if devices is not None and devices < 1:
             raise ConfigError(f"--devices={devices}: need at least one device")
+        if target is not None:
+            targets.get(target)   # an unknown target lists the known ones
+            if not dry_run:
+                raise ConfigError(f"--target {target} compiles for GPUs that are not here: use "
+                                  "it with --dry-run (training runs on the devices present)")
+            targets.check_available()
+        if as_json and not dry_run:
+            raise ConfigError("--json is the dry run's report format: add --dry-run")
         maybe_initialize_distributed()
         if dry_run:
-            report = dry_run_lib.dry_run(cfg, plan_gpu, devices=devices, config_name=config_path,
-                                         echo=lambda s: print(s, file=sys.stderr, flush=True))
-            print(report.format())
+            report = dry_run_lib.dry_run(cfg, gpu, devices=devices, config_name=config_path,
+                                         echo=lambda s: print(s, file=sys.stderr, flush=True),
+                                         target=target)
+            print(json.dumps(report.to_json(), indent=1) if as_json else report.format())
             return 0
         check_devices(cfg, plan_gpu, devices, config_path)
         if inspect_sharding:

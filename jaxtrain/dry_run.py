@@ -56,7 +56,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import time
 
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger import (Estimate, Executor, Gpu, Layout, LayoutError, describe, estimate,
@@ -67,9 +66,6 @@ from jaxtrain.ledger.layout import layers_per_chunk, layout_from_config, tensor_
 from jaxtrain.ledger.pipeline import RECEIVE_BUFFERS
 
 DEGREES = ("tensor", "stage", "data", "fsdp", "context")
-# The CPU backend's LLVM optimisation level changes code speed, not the HLO: buffer sizes,
-# collectives and FLOPs are the same at level 0, and compiling is about twice as fast.
-CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 class TooFewDevicesError(ConfigError):
@@ -343,6 +339,7 @@ class DryRun:
     lower_s: float
     compile_s: float
     device_kind: str
+    gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
 
     @property
     def n_devices(self) -> int:
@@ -451,7 +448,7 @@ class DryRun:
                 ("bf16 params + grads + activations + reserve", lm["temp"], mem["temp_bytes"],
                  "temporaries"),
                 ("  the same without the GPU workspace", lm["temp_no_workspace"], None,
-                 "(XLA:CPU has no cuBLAS/NCCL workspace)"),
+                 "(static buffers hold no NCCL/cuBLAS workspace)"),
                 ("total", lm["total"], mem["total_bytes"], "arguments + outputs + temp - donated")]
         w = max(len(r[0]) for r in rows)
         out.append(f"  {'':{w}}  {'ledger':>10}  {'compiled':>10}")
@@ -506,43 +503,94 @@ class DryRun:
                 f"  pipelined: every branch of the {ex.steps} steps (F + B with its recomputed "
                 f"F + the head), as the HLO reader counts them: "
                 f"{branch_matmul_flops(self.cfg, L, ex):.4g}")
+        if self.gpu_report is not None:
+            out.append(self.gpu_report.format())
         return "\n".join(out)
 
+    def to_json(self) -> dict:
+        """The report for scripts: memory terms, collective bytes per kind and mesh axis,
+        matmul FLOPs, and what only a GPU program has (kernels, overlap)."""
+        from jaxtrain import hlo
+        axes = lambda a: None if a is None else list(a)  # noqa: E731
+        lm = self.ledger_memory()
+        out = {
+            "config": self.config_name, "devices": self.n_devices, "device": self.device_kind,
+            "layout": self.estimate.layout.short(), "changes": list(self.changes),
+            "compiled": {"memory": self.memory, "matmul_flops": self.matmul_flops,
+                         "xla_flops": self.xla_flops,
+                         "collectives": [{"kind": k, "axes": axes(a), "payload_bytes": v,
+                                          "wire_bytes": w} for (k, a), v, w in (
+                             (key, val, hlo.summary(self.collectives, wire=True)[key])
+                             for key, val in sorted(hlo.summary(self.collectives).items(),
+                                                    key=lambda kv: str(kv[0])))]},
+            "ledger": {"memory": lm, "static_bytes": self.estimate.static_bytes,
+                       "activation_bytes": self.estimate.activation_bytes,
+                       "model_flops_per_device": self.estimate.model_flops_per_step
+                       / self.n_devices,
+                       "hfu_flops_per_device": self.estimate.hfu_flops_per_step / self.n_devices},
+            "comm_by_axes": [{"axes": axes(a), "ledger_bytes": lg, "compiled_wire_bytes": cp}
+                             for a, (lg, cp) in self.comm_by_axes().items()],
+            "lower_s": self.lower_s, "compile_s": self.compile_s,
+        }
+        if self.gpu_report is not None:
+            out["gpu"] = self.gpu_report.to_json()
+        return out
 
-def dry_run(cfg: Config, gpu: str | Gpu = "h100", *, devices: int | None = None,
-            config_name: str = "the config", echo=None) -> DryRun:
-    """Scale the layout to the present devices, compile the train step (pipelined when stage >
-    1) from abstract state and read what XLA reports; `echo` (e.g. print) hears progress
-    before the long compile."""
+
+def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = None,
+            config_name: str = "the config", echo=None, target: str | None = None) -> DryRun:
+    """Compile the train step (pipelined when stage > 1) from abstract state and read what
+    XLA reports. On the devices present, the layout scaled to them; for a GPU `target`, on
+    `devices` compile-only GPUs (default: the configured layout's device count), with the
+    ledger planning for the same GPU. `echo` (e.g. print) hears progress before the long
+    compile."""
+    import tempfile
+
     import jax
 
-    from jaxtrain import attention, hlo, remat_sweep, sharding, step
-    gpu = get_gpu(gpu)
-    present = jax.devices()
-    planned = plan_devices(cfg, gpu, devices, present=len(present))
+    from jaxtrain import attention, gpu_program, hlo, sharding, targets
+    from jaxtrain.compile_step import compile_step
+    if target is not None:
+        tgt = targets.get(target)
+        if gpu is not None and get_gpu(gpu).name != get_gpu(tgt.ledger_gpu).name:
+            raise ConfigError(f"--gpu {get_gpu(gpu).name} and --target {target} disagree; "
+                              "--target alone sets the GPU the ledger plans for")
+        gpu = get_gpu(tgt.ledger_gpu)
+        planned = plan_devices(cfg, gpu, devices)
+        if planned.n_devices is None:
+            raise LayoutError(f"cannot compile {config_name} for {target}: {planned.error}")
+        present, kind = targets.devices(target, planned.n_devices), tgt.name
+    else:
+        gpu = get_gpu(gpu or "h100")
+        present = jax.devices()
+        planned = plan_devices(cfg, gpu, devices, present=len(present))
+        kind = present[0].device_kind
     scaled, changes = scale_to_devices(cfg, planned, len(present))
     mesh = sharding.make_mesh(scaled.parallel, present)
-    setup = step.build(scaled, mesh)
     if echo:
-        echo(f"dry run: compiling the train step of {config_name} on {len(present)} x "
-             f"{present[0].device_kind} ...")
-    t0 = time.perf_counter()
-    lowered = step.make_train_step(setup).lower(step.abstract_train_state(setup),
-                                                remat_sweep.abstract_batch(scaled, mesh))
-    t1 = time.perf_counter()
-    options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
-    compiled = lowered.compile(compiler_options=options)
-    t2 = time.perf_counter()
-    text = compiled.as_text()
-    colls = hlo.reclassify_sliced_all_reduce(hlo.collectives_from_text(text, mesh))
+        echo(f"dry run: compiling the train step of {config_name} on {len(present)} x {kind} ...")
+    is_gpu = sharding.platform(mesh) == "gpu"
+    flash = attention.is_kernel(attention.select(scaled.model, sharding.platform(mesh)))
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-dump-") as dump:
+        # the dump holds each Pallas kernel's launch and PTX (registers, spills)
+        extra = {"xla_dump_to": dump} if is_gpu and flash else None
+        out = compile_step(scaled, mesh, extra_options=extra)
+        report = None
+        mem = hlo.memory(out.compiled)
+        if is_gpu:
+            device_memory = (targets.get(target).memory_bytes if target else
+                             (present[0].memory_stats() or {}).get("bytes_limit", 0))
+            report = gpu_program.GpuReport.read(out.text, mesh, dump if extra else None,
+                                                device_memory, mem["total_bytes"])
+    colls = hlo.reclassify_sliced_all_reduce(hlo.collectives_from_text(out.text, mesh))
     try:
-        xla_flops = hlo.compiled_flops(compiled)
+        xla_flops = hlo.compiled_flops(out.compiled)
     except hlo.HloAnalysisUnavailable:
         xla_flops = None
-    flash = attention.is_kernel(attention.select(scaled.model, sharding.platform(mesh)))
     layout = layout_from_config(scaled, len(present))
     est = estimate(scaled, layout, gpu, flash=flash)
     return DryRun(config_name=config_name, cfg=scaled, planned=planned, changes=changes,
-                  estimate=est, memory=hlo.memory(compiled), collectives=colls,
-                  matmul_flops=hlo.matmul_flops_from_text(text), xla_flops=xla_flops,
-                  lower_s=t1 - t0, compile_s=t2 - t1, device_kind=present[0].device_kind)
+                  estimate=est, memory=mem, collectives=colls,
+                  matmul_flops=hlo.matmul_flops_from_text(out.text), xla_flops=xla_flops,
+                  lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
+                  gpu_report=report)

@@ -240,7 +240,7 @@ _CALL_RE = re.compile(
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 
-def _callees(instr: _Instr) -> list[tuple[str, int | None, bool]]:
+def callees(instr: _Instr) -> list[tuple[str, int | None, bool]]:
     """(callee, trip factor or None when unknown, is_loop) for each computation `instr` calls."""
     # An async op's -update/-done repeat `calls=` of its -start; count the start only.
     if instr.opcode.endswith(("-done", "-update")):
@@ -269,7 +269,7 @@ def _reach(comps: dict[str, _Computation], entry: str) -> dict[str, _Reach]:
     callers: dict[str, list[tuple[str, int | None, bool]]] = {n: [] for n in comps}
     for comp in comps.values():
         for instr in comp.instrs:
-            for callee, trips, is_loop in _callees(instr):
+            for callee, trips, is_loop in callees(instr):
                 if callee in callers:
                     callers[callee].append((comp.name, trips, is_loop))
     memo: dict[str, _Reach] = {}
@@ -312,14 +312,14 @@ _PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed(text: str) -> tuple[dict[str, _Computation], dict[str, _Reach]]:
+def parsed(text: str) -> tuple[dict[str, _Computation], dict[str, _Reach]]:
     """(computations, their reach) of a module text: parsed once when several readers ask
     (the dry run reads collectives and FLOPs of the same large module)."""
     comps, entry = parse_module(text)
     return comps, _reach(comps, entry)
 
 
-def _ints(text: str) -> list[int]:
+def ints(text: str) -> list[int]:
     return [int(t) for t in re.findall(r"\d+", text)]
 
 
@@ -335,11 +335,11 @@ def _mesh_device_ids(spec: str | None, n: int) -> np.ndarray:
     spec = spec.strip()
     m = re.fullmatch(r"\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?", spec)
     if m:
-        return _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        return _iota(ints(m.group(2)), ints(m.group(3)) if m.group(3) else None)
     m = re.fullmatch(r"\[([\d,\s]+)\]T\(([\d,\s]+)\)", spec)
     if m:
-        return _iota(_ints(m.group(1)), _ints(m.group(2)))
-    ids = _ints(spec)
+        return _iota(ints(m.group(1)), ints(m.group(2)))
+    ids = ints(spec)
     if len(ids) == n:
         return np.array(ids)
     if math.prod(ids) == n:  # bare `[a,b]`: an untransposed iota
@@ -390,15 +390,15 @@ def parse_replica_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], 
     `mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}`. `{}` means all `num_devices`.
     """
     if (m := _RG_IOTA_RE.search(line)):
-        dims = _ints(m.group(1))
-        flat = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        dims = ints(m.group(1))
+        flat = _iota(ints(m.group(2)), ints(m.group(3)) if m.group(3) else None)
         groups = flat.reshape(dims[0], -1) if len(dims) == 2 else flat.reshape(1, -1)
     elif (m := _RG_MESH_RE.search(line)):
         groups = _mesh_form_groups(m.group(1), m.group(2), m.group(3))
     elif _RG_MAXIMAL_RE.search(line):
         return ((0,),)
     elif (m := _RG_LIST_RE.search(line)):
-        lists = [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+        lists = [ints(g) for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
         lists = [g for g in lists if g]
         if not lists:
             return (tuple(range(num_devices)),)
@@ -517,7 +517,7 @@ def _is_sliced(instr: _Instr, comp: _Computation, comps: dict[str, _Computation]
             return False
         if user.opcode == "dynamic-slice":
             continue
-        called = [n for n, _, _ in _callees(user)] if user.opcode == "fusion" else []
+        called = [n for n, _, _ in callees(user)] if user.opcode == "fusion" else []
         if not any(i.opcode == "dynamic-slice" for n in called if n in comps
                    for i in comps[n].instrs):
             return False
@@ -533,7 +533,7 @@ def _wire_bytes(kind: str, payload: int, group_size: int) -> float:
 
 def collectives_from_text(text: str, mesh: Any) -> list[Collective]:
     """Collectives of an optimized HLO module text (see `collectives`)."""
-    comps, reach = _parsed(text)
+    comps, reach = parsed(text)
     index = _MeshIndex(mesh)
     out = []
     for comp in comps.values():
@@ -685,7 +685,7 @@ def _dims(shape: str | None) -> list[int] | None:
     return [int(d.strip().removeprefix("<=")) for d in m.group(1).split(",") if d.strip()]
 
 
-def _matmul_flops(instr, comp) -> int:
+def matmul_flops_of(instr, comp) -> int:
     if instr.opcode == "dot":
         contract = _DOT_CONTRACT_RE.search(instr.attrs)
     elif instr.opcode == "custom-call" and _GEMM_TARGET_RE.search(instr.attrs):
@@ -704,8 +704,8 @@ def _matmul_flops(instr, comp) -> int:
 
 def matmul_flops_from_text(text: str) -> float:
     """Matmul FLOPs of one execution of an optimized HLO module, loops counted by trip count."""
-    comps, reach = _parsed(text)
-    return float(sum(_matmul_flops(i, c) * reach[c.name].count
+    comps, reach = parsed(text)
+    return float(sum(matmul_flops_of(i, c) * reach[c.name].count
                      for c in comps.values() for i in c.instrs))
 
 

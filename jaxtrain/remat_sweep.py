@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import data, hlo, remat, sharding, step
+from jaxtrain.compile_step import compile_step
 from jaxtrain.config import Config, ConfigError, RematConfig, load_config
 from jaxtrain.ledger import flops as ledger_flops
 from jaxtrain.ledger.estimate import estimate
@@ -67,23 +68,6 @@ class Row:
 def with_remat(cfg: Config, r: RematConfig) -> Config:
     return dataclasses.replace(cfg, remat=dataclasses.replace(
         r, memory_budget_gb=cfg.remat.memory_budget_gb))
-
-
-def abstract_batch(cfg: Config, mesh) -> dict:
-    sh = sharding.batch_sharding(mesh)
-    shape = (cfg.train.global_batch, cfg.train.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                    sharding=sh) for k in step.BATCH_KEYS}
-
-
-def compile_train_step(cfg: Config, mesh, compiler_options: dict | None = None):
-    """(setup, compiled step, compile seconds) from abstract state; allocates nothing."""
-    setup = step.build(cfg, mesh)
-    lowered = step.make_train_step(setup).lower(step.abstract_train_state(setup),
-                                                abstract_batch(cfg, mesh))
-    t = time.perf_counter()
-    compiled = lowered.compile(compiler_options=compiler_options or None)
-    return setup, compiled, time.perf_counter() - t
 
 
 def ledger_estimates(cfg: Config, mesh) -> tuple[float | None, float | None]:
@@ -137,7 +121,8 @@ def time_steps(setup, compiled, steps: int) -> float:
 def measure(cfg: Config, mesh, *, run: bool = False, steps: int = 5,
             compiler_options: dict | None = None) -> Row:
     """Compile (and optionally time) the train step of cfg.remat on `mesh`."""
-    setup, compiled, seconds = compile_train_step(cfg, mesh, compiler_options)
+    out = compile_step(cfg, mesh, extra_options=compiler_options)
+    setup, compiled, seconds = out.setup, out.compiled, out.compile_s
     mem = hlo.memory(compiled)
     act, recompute = ledger_estimates(cfg, mesh)
     row = Row(policy=remat.label(cfg.remat), temp_bytes=mem["temp_bytes"],
@@ -225,8 +210,7 @@ def choose_policy(cfg: Config, mesh, *, candidates: Sequence[RematConfig] | None
     tried = []
     for r in sorted(cands, key=predicted):
         c = with_remat(cfg, r)
-        _, compiled, _ = compile_train_step(c, mesh, compiler_options)
-        mem = hlo.memory(compiled)
+        mem = hlo.memory(compile_step(c, mesh, extra_options=compiler_options).compiled)
         footprint = mem["total_bytes"] if mem["total_bytes"] is not None else mem["temp_bytes"]
         if footprint is None:
             raise remat.RematConfigError("remat.policy=auto: this backend reports no memory "

@@ -16,9 +16,9 @@ import pytest
 
 import jax
 
-from jaxtrain import hlo, remat_sweep, sharding, step
+from jaxtrain import hlo, sharding, step
 from jaxtrain.config import Config, ModelConfig, TrainConfig
-from jaxtrain.dry_run import CPU_COMPILER_OPTIONS
+from jaxtrain.compile_step import CPU_COMPILER_OPTIONS, abstract_batch
 from jaxtrain.ledger import estimate, layout_from_config
 from jaxtrain.ledger.flops import param_counts
 
@@ -46,7 +46,7 @@ def compiled(dtype: str, b: int, s: int, train_step: bool = False):
         mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
         setup = step.build(cfg, mesh)
         state = step.abstract_train_state(setup)
-        batch = remat_sweep.abstract_batch(cfg, mesh)
+        batch = abstract_batch(cfg, mesh)
         fn, args = ((step.make_train_step(setup), (state, batch)) if train_step else
                     (step.make_grad_step(setup), (state["params"], batch)))
         _CACHE[key] = cfg, fn.lower(*args).compile(compiler_options=CPU_COMPILER_OPTIONS)

@@ -278,10 +278,10 @@ def test_auto_tries_the_least_recompute_first_and_takes_the_first_that_fits(
                  "uniform:1": 2.0}
     compiled = []
 
-    def fake_compile(cfg, mesh, compiler_options=None):
+    def fake_compile(cfg, mesh, extra_options=None):
         compiled.append(remat.label(cfg.remat))
-        return None, _FakeCompiled(footprint.get(compiled[-1], 3.5)), 0.0
-    monkeypatch.setattr(remat_sweep, "compile_train_step", fake_compile)
+        return types.SimpleNamespace(compiled=_FakeCompiled(footprint.get(compiled[-1], 3.5)))
+    monkeypatch.setattr(remat_sweep, "compile_step", fake_compile)
     cfg = _cfg("none")
     cfg.remat = RematConfig(policy="auto", memory_budget_gb=4.0)
     mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])

@@ -1,0 +1,293 @@
+"""What only a GPU program has: GEMM backends, async collectives and their overlap, kernels.
+
+Reads the optimized HLO of a step compiled for (compile-only) GPUs, and the compiler's dump
+folder (`compiler_options={"xla_dump_to": DIR}`):
+
+- `gemms`: every matmul by what runs it — a cuBLASLt GEMM (bf16/fp16/fp32, or FP8 with its
+  scales fused), a Triton GEMM fusion, or a plain dot — with its FLOPs per step.
+- `async_collectives`: every collective with its start/done pair and whether compute is
+  scheduled between the two (the static overlap: XLA:GPU prints a scheduled module, so the
+  instruction order is the execution order of one stream; a collective with nothing between
+  start and done, or a synchronous one, is exposed whatever the hardware does).
+- `kernels`: each Pallas (Triton custom-call) kernel's grid, threads and shared memory from
+  the thunk sequence, and its registers and spills from ptxas (the nvidia-cuda-nvcc wheel
+  that jax[cuda12] installs) run on the kernel's PTX for sm_90a.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import subprocess
+from typing import Any
+
+from jaxtrain import hlo
+
+# Opcodes that schedule no work on the device: between an async start and its done they
+# leave the collective exposed.
+_NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+            "partition-id", "replica-id", "add-dependency", "opt-barrier", "copy-start",
+            "copy-done", "send", "send-done", "recv", "recv-done"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    backend: str        # cublaslt / cublaslt-fp8 / cublas / triton / dot
+    dtype: str          # operand element type(s), e.g. bf16 or f8e4m3fn x f8e5m2
+    flops: float        # per step (loops counted by trip count)
+    op: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncCollective:
+    collective: hlo.Collective
+    is_async: bool      # a -start/-done pair (else a synchronous op)
+    overlapped: bool    # compute scheduled between start and done
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    grid: tuple
+    threads: tuple
+    shared_memory: int
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_stores or self.spill_loads)
+
+
+# ----------------------------------------------------------------------------- GEMMs
+
+_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION_KIND_RE = re.compile(r'"kind":"(__triton[a-z_]*gemm[a-z_]*)"')
+_ELEM_RE = re.compile(r"\b([a-z][a-z0-9]*)\[")
+
+
+def _operand_types(instr, comp) -> str:
+    types = []
+    for name, shape in list(zip(instr.operands, instr.operand_shapes))[:2]:
+        shape = shape or (comp.by_name[name].shape if name in comp.by_name else "")
+        m = _ELEM_RE.search(shape or "")
+        types.append(m.group(1) if m else "?")
+    return " x ".join(dict.fromkeys(types))
+
+
+def gemms(text: str) -> list[Gemm]:
+    """Every matmul of the module with what runs it and its FLOPs per step."""
+    comps, reach = hlo.parsed(text)
+    out = []
+    for comp in comps.values():
+        for instr in comp.instrs:
+            n = reach[comp.name].count
+            if instr.opcode == "custom-call":
+                m = _TARGET_RE.search(instr.attrs)
+                target = m.group(1) if m else ""
+                if "cublas" not in target:
+                    continue
+                backend = ("cublaslt-fp8" if target.endswith("$f8") else
+                           "cublaslt" if "$lt$" in target else "cublas")
+                out.append(Gemm(backend, _operand_types(instr, comp),
+                                hlo.matmul_flops_of(instr, comp) * n, instr.name))
+            elif instr.opcode == "fusion" and _FUSION_KIND_RE.search(instr.attrs):
+                called = [c for c, _, _ in hlo.callees(instr) if c in comps]
+                dots = [(i, comps[c]) for c in called for i in comps[c].instrs
+                        if i.opcode == "dot"]
+                flops = sum(hlo.matmul_flops_of(i, c) for i, c in dots) * n
+                dtype = _operand_types(*dots[0]) if dots else "?"
+                out.append(Gemm("triton", dtype, flops, instr.name))
+            elif instr.opcode == "dot" and not _inside_fusion(comp.name, comps):
+                out.append(Gemm("dot", _operand_types(instr, comp),
+                                hlo.matmul_flops_of(instr, comp) * n, instr.name))
+    return out
+
+
+def _inside_fusion(name: str, comps) -> bool:
+    return any(i.opcode == "fusion" and name in [c for c, _, _ in hlo.callees(i)]
+               for c in comps.values() for i in c.instrs)
+
+
+def gemm_summary(gs: list[Gemm]) -> dict[tuple[str, str], tuple[int, float]]:
+    """(backend, dtype) -> (ops, FLOPs per step)."""
+    out: dict = {}
+    for g in gs:
+        n, f = out.get((g.backend, g.dtype), (0, 0.0))
+        out[(g.backend, g.dtype)] = (n + 1, f + g.flops)
+    return out
+
+
+# ----------------------------------------------------------------------------- overlap
+
+def async_collectives(text: str, mesh: Any) -> list[AsyncCollective]:
+    """Every collective of the module, with whether compute runs between its start and done."""
+    comps, _ = hlo.parsed(text)
+    by_op = {(c.computation, c.op): c for c in hlo.collectives_from_text(text, mesh)}
+    out = []
+    for comp in comps.values():
+        for k, instr in enumerate(comp.instrs):
+            coll = by_op.get((comp.name, instr.name))
+            if coll is None:
+                continue
+            if not instr.opcode.endswith("-start"):
+                out.append(AsyncCollective(coll, False, False))
+                continue
+            done = next((j for j in range(k + 1, len(comp.instrs))
+                         if comp.instrs[j].opcode.endswith("-done")
+                         and instr.name in comp.instrs[j].operands), None)
+            if done is None:
+                raise hlo.HloParseError(f"async %{instr.name} has no -done in {comp.name}")
+            between = comp.instrs[k + 1:done]
+            work = any(i.opcode not in _NO_WORK and not i.opcode.endswith(("-start", "-done"))
+                       for i in between)
+            out.append(AsyncCollective(coll, True, work))
+    return out
+
+
+def overlap_by_axis(acs: list[AsyncCollective]) -> dict[tuple | None, tuple[float, float]]:
+    """mesh axes -> (wire bytes per step with compute between start and done, all of them)."""
+    out: dict = {}
+    for a in acs:
+        c = a.collective
+        if not c.axes:
+            continue
+        hidden, total = out.get(c.axes, (0.0, 0.0))
+        out[c.axes] = (hidden + (c.wire_bytes_per_step if a.overlapped else 0.0),
+                       total + c.wire_bytes_per_step)
+    return out
+
+
+# ----------------------------------------------------------------------------- kernels
+
+_THUNK_RE = re.compile(r"\]\s+(\S+)\s+grid:\s*\[([\d,\s]+)\]\s+threads:\s*\[([\d,\s]+)\]\s+"
+                       r"shared_memory:\s*(\d+)")
+_PALLAS_NAME_RE = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?name = "([^"]+)"')
+
+
+def pallas_kernel_names(text: str) -> set[str]:
+    return set(_PALLAS_NAME_RE.findall(text))
+
+
+def ptxas_path() -> pathlib.Path:
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("ptxas: the nvidia-cuda-nvcc wheel (installed with jax[cuda12]) "
+                                "is missing")
+    return pathlib.Path(list(spec.submodule_search_locations)[0]) / "bin" / "ptxas"
+
+
+def _ptxas(ptx: pathlib.Path, arch: str = "sm_90a") -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) of a PTX file's kernel."""
+    res = subprocess.run([str(ptxas_path()), f"-arch={arch}", "-v", str(ptx), "-o", "/dev/null"],
+                         capture_output=True, text=True, timeout=300)
+    info = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    if res.returncode or not regs:
+        raise RuntimeError(f"ptxas failed on {ptx.name}: {info[-400:]}")
+    return int(regs.group(1)), int(spill.group(1)) if spill else 0, \
+        int(spill.group(2)) if spill else 0
+
+
+def kernels(dump_dir: str | pathlib.Path, names: set[str]) -> list[Kernel]:
+    """Launch resources of the named kernels from a compile's dump folder."""
+    dump = pathlib.Path(dump_dir)
+    seq = sorted(dump.glob("*thunk_sequence.txt"))
+    if not seq:
+        raise FileNotFoundError(f"no *thunk_sequence.txt in {dump}: compile with "
+                                "compiler_options={'xla_dump_to': DIR}")
+    launches = {}
+    for line in seq[-1].read_text().splitlines():
+        m = _THUNK_RE.search(line)
+        if m and m.group(1) in names:
+            launches.setdefault(m.group(1), m)
+    ptx = {}
+    for f in dump.glob("*.ptx"):
+        m = re.search(r"\.entry\s+([\w$]+)\(", f.read_text())
+        if m and m.group(1) in names:
+            ptx[m.group(1)] = f
+    out = []
+    for name, m in sorted(launches.items()):
+        regs = stores = loads = None
+        if name in ptx:
+            regs, stores, loads = _ptxas(ptx[name])
+        out.append(Kernel(name, tuple(hlo.ints(m.group(2))), tuple(hlo.ints(m.group(3))),
+                          int(m.group(4)), regs, stores, loads))
+    return out
+
+
+# ----------------------------------------------------------------------------- the report
+
+@dataclasses.dataclass
+class GpuReport:
+    """What the dry run adds for a GPU program (module docstring)."""
+    gemms: dict                 # (backend, dtype) -> (ops, FLOPs per step)
+    collectives: list           # AsyncCollective
+    kernels: list               # Kernel
+    device_memory: int          # bytes the target device reports
+    total_bytes: int | None     # the compiled step's footprint per device
+
+    @classmethod
+    def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes):
+        names = pallas_kernel_names(text)
+        ks = kernels(dump_dir, names) if names and dump_dir is not None else []
+        return cls(gemm_summary(gemms(text)), async_collectives(text, mesh), ks,
+                   device_memory, total_bytes)
+
+    def overlap(self) -> dict:
+        return overlap_by_axis(self.collectives)
+
+    def async_pairs(self) -> dict[str, tuple[int, int]]:
+        """kind -> (async start/done pairs, synchronous ops)."""
+        out: dict = {}
+        for a in self.collectives:
+            pairs, sync = out.get(a.collective.kind, (0, 0))
+            out[a.collective.kind] = (pairs + a.is_async, sync + (not a.is_async))
+        return out
+
+    def fits(self) -> bool | None:
+        return None if self.total_bytes is None else self.total_bytes <= self.device_memory
+
+    def format(self) -> str:
+        gib = 2 ** 30
+        out = ["", "GPU program (XLA:GPU for sm_90a; nothing ran, nothing autotuned):"]
+        total = sum(f for _, f in self.gemms.values()) or 1.0
+        out.append("  GEMMs by backend      ops   FLOPs/step  share")
+        for (backend, dtype), (n, f) in sorted(self.gemms.items(), key=lambda kv: -kv[1][1]):
+            out.append(f"    {backend:12} {dtype:14} {n:5d}  {f:10.4g}  {f / total:5.1%}")
+        out.append("  collectives (async start/done pairs, synchronous ops): " + ", ".join(
+            f"{k} {p}/{s}" for k, (p, s) in sorted(self.async_pairs().items())))
+        out.append("  static overlap: wire bytes with compute scheduled between start and done")
+        for axes, (hidden, all_) in sorted(self.overlap().items(), key=lambda kv: str(kv[0])):
+            label = "?" if axes is None else ",".join(axes)
+            out.append(f"    {label:14} {hidden / 1e9:10.3f} of {all_ / 1e9:10.3f} GB  "
+                       f"{hidden / all_ if all_ else 0:6.1%}")
+        if self.kernels:
+            out.append("  Pallas kernels        grid              threads  smem KiB  regs  spills")
+            for k in self.kernels:
+                spills = "-" if k.spill_stores is None else f"{k.spill_stores}/{k.spill_loads} B"
+                out.append(f"    {k.name:22} {str(list(k.grid)):16} {k.threads[0]:7d}  "
+                           f"{k.shared_memory / 1024:8.0f}  {k.registers or '-':>4}  {spills}")
+        if self.total_bytes is not None:
+            verdict = ("fits" if self.fits() else
+                       f"DOES NOT FIT: {(self.total_bytes - self.device_memory) / gib:.2f} GiB "
+                       "over")
+            out.append(f"  memory: {self.total_bytes / gib:.2f} GiB per device of the device's "
+                       f"{self.device_memory / gib:.2f} GiB: {verdict} (static buffers only: "
+                       "no NCCL buffers, allocator slack or CUDA context)")
+        return "\n".join(out)
+
+    def to_json(self) -> dict:
+        return {
+            "gemms": [{"backend": b, "dtype": d, "ops": n, "flops_per_step": f}
+                      for (b, d), (n, f) in sorted(self.gemms.items())],
+            "async_pairs": {k: {"async": p, "sync": s} for k, (p, s) in self.async_pairs().items()},
+            "overlap": [{"axes": None if a is None else list(a), "hidden_wire_bytes": h,
+                         "wire_bytes": t} for a, (h, t) in sorted(self.overlap().items(),
+                                                                  key=lambda kv: str(kv[0]))],
+            "kernels": [dataclasses.asdict(k) for k in self.kernels],
+            "device_memory_bytes": self.device_memory, "fits": self.fits(),
+        }
