@@ -45,10 +45,10 @@ from jaxtrain import profile_trace as pt
 from jaxtrain.config import Config, ConfigError, from_dict, load_config
 from jaxtrain.ledger import (Assumptions, comm, estimate, get_gpu, gpu_for_device_kind,
                              layout_from_config)
+from jaxtrain.ledger.flops import model_flops_per_token, tokens_per_step
 from jaxtrain.ledger.layout import AXES_FAST_TO_SLOW, resolve_degrees
+from jaxtrain.mfu_report import TERMS, Breakdown, Budget, StepTerms
 
-TERMS = ("kernel_efficiency", "recompute", "bubble", "exposed_comm", "data_wait",
-         "launch_overhead", "stragglers")
 STRAGGLER_FACTOR = 3.0
 MESH_ORDER = tuple(reversed(AXES_FAST_TO_SLOW))   # stage, data, fsdp, context, tensor
 DATA_SPAN = mt.DATA_SPAN
@@ -56,17 +56,6 @@ DATA_SPAN = mt.DATA_SPAN
 
 class BreakdownError(ConfigError):
     """Input the breakdown cannot use; one line that says what to do."""
-
-
-@dataclasses.dataclass
-class StepTerms:
-    step: object
-    devices: int
-    t_step: float
-    terms: dict                      # TERMS -> seconds (mean over devices)
-    exposed_by_axis: dict
-    kernel_split: dict | None        # {"gemm_below_peak", "non_gemm"}; None: no GEMM known
-    per_device: dict                 # device -> {"t_step", "busy", TERMS...}
 
 
 def step_terms(step, windows: dict, tl: mt.Timeline, ideal: float, stage: int = 1,
@@ -113,40 +102,29 @@ def step_terms(step, windows: dict, tl: mt.Timeline, ideal: float, stage: int = 
 
 
 def gemm_shapes(windows_by_step: dict, peak: float) -> list[dict]:
-    """GEMM efficiency by shape over the complete steps: count, time, achieved TFLOP/s."""
+    """GEMM efficiency by shape over the complete steps: executions, time, achieved TFLOP/s.
+
+    An op may run as several kernels (a split-K GEMM and its reduction), so a window's FLOPs
+    of an op are its FLOPs x min(kernels seen, its executions per step in the HLO)."""
     rows = defaultdict(lambda: [0, 0.0, 0.0])
     for windows in windows_by_step.values():
         for s, e, ops in windows.values():
+            seen = defaultdict(list)
             for o in ops:
                 if o.gemm and o.gemm_flops and s <= o.start < e:
-                    r = rows[o.gemm_shape or o.name]
-                    r[0] += 1
-                    r[1] += (o.end - o.start) * 1e-6
-                    r[2] += o.gemm_flops
+                    seen[o.name].append(o)
+            for same in seen.values():
+                runs = min(len(same), same[0].executions)
+                r = rows[same[0].gemm_shape or same[0].name]
+                r[0] += runs
+                r[1] += sum(o.end - o.start for o in same) * 1e-6
+                r[2] += same[0].gemm_flops * runs
     out = [{"shape": k, "count": c, "time_s": t, "tflops": f / t / 1e12 if t else 0.0,
             "of_peak": f / t / peak if t else 0.0} for k, (c, t, f) in rows.items()]
     return sorted(out, key=lambda r: -r["time_s"])
 
 
 # ----------------------------------------------------------------------------- the budget
-
-@dataclasses.dataclass
-class Budget:
-    """The ledger's expected step for the run's layout: (optimistic, pessimistic) seconds."""
-    gpu: str
-    layout: str
-    ideal: float
-    terms: dict
-    by_axis: dict
-    expected_mfu: tuple
-
-    def mid(self, term: str) -> float:
-        return sum(self.terms[term]) / 2
-
-    @property
-    def step(self) -> float:
-        return self.ideal + sum(self.mid(t) for t in TERMS)
-
 
 _AXIS_OF = {"dp_comm": "data", "fsdp_comm": "fsdp", "tp_comm": "tensor", "pp_comm": "stage",
             "cp_comm": "context"}
@@ -172,196 +150,25 @@ def ledger_budget(cfg: Config, n_devices: int, gpu) -> Budget:
 
 # ----------------------------------------------------------------------------- the breakdown
 
-_LABELS = {"kernel_efficiency": ("kernel efficiency", "compute - T_ideal - recompute"),
-           "recompute": ("recompute", "bwd GEMMs - 2 x fwd GEMMs"),
-           "bubble": ("pipeline bubble", "idle, only send/recv running"),
-           "exposed_comm": ("exposed communication", "idle, a collective running"),
-           "data_wait": ("data wait", "idle, host in the input pipeline"),
-           "launch_overhead": ("host launch overhead", "idle otherwise"),
-           "stragglers": ("stragglers", "collective waiting on a slower peer")}
-
-
-@dataclasses.dataclass
-class Breakdown:
-    title: str
-    files: list
-    assignment: str            # how device work was matched to steps
-    gpu: str
-    peak: float                # FLOP/s per device
-    ideal: float               # T_ideal, seconds
-    steps: list                # StepTerms, complete steps in order
-    budget: Budget | None
-    gemms: list
-    notes: list
-    logged: dict               # step -> step_time_s in metrics.jsonl
-
-    @property
-    def mean(self) -> StepTerms:
-        n = len(self.steps)
-        avg = lambda dicts: {k: sum(d.get(k, 0.0) for d in dicts) / n  # noqa: E731
-                             for k in sorted({k for d in dicts for k in d})}
-        splits = [s.kernel_split for s in self.steps if s.kernel_split is not None]
-        return StepTerms(step="mean", devices=self.steps[0].devices,
-                         t_step=sum(s.t_step for s in self.steps) / n,
-                         terms=avg([s.terms for s in self.steps]),
-                         exposed_by_axis=avg([s.exposed_by_axis for s in self.steps]),
-                         kernel_split=avg(splits) if splits else None, per_device={})
-
-    @property
-    def mfu(self) -> float:
-        return self.ideal / self.mean.t_step
-
-    def points(self) -> dict:
-        """MFU points each term's excess over budget costs; they sum to planned - measured."""
-        if self.budget is None:
-            return {}
-        scale = 100 * self.ideal / (self.mean.t_step * self.budget.step)
-        return {t: (self.mean.terms[t] - self.budget.mid(t)) * scale for t in TERMS}
-
-    def format(self) -> str:
-        m, b, pts = self.mean, self.budget, self.points()
-        steps = [s.step for s in self.steps]
-        head = [f"MFU breakdown of {self.title}: step{'s' if len(steps) > 1 else ''} "
-                f"{', '.join(map(str, steps))} ({m.devices} device{'s' if m.devices > 1 else ''}"
-                f" of {self.gpu}; steps by {self.assignment})",
-                f"T_step {m.t_step * 1e3:.2f} ms = T_ideal {self.ideal * 1e3:.2f} ms + seven "
-                f"terms; MFU {self.mfu:.1%} measured" + (
-                    f", {self.ideal / b.step:.1%} planned (ledger, {b.layout})" if b else "")]
-        logged = [f"{self.logged[s + 1] * 1e3:.2f} ms (step {s + 1})" for s in steps
-                  if isinstance(s, int) and s + 1 in self.logged]
-        if logged:  # the trainer logs the step with step_num=N as step N+1
-            head.append("host-timed in metrics.jsonl: " + ", ".join(logged))
-        rows = [("term", "budget ms", "measured ms", "excess ms", "MFU pts", "shape on the "
-                 "timeline"), ("T_ideal", _ms(b.ideal if b else None), _ms(self.ideal), "", "",
-                               "model FLOPs / peak")]
-        for t in TERMS:
-            name, rule = _LABELS[t]
-            bud = b.mid(t) if b else None
-            rows.append((name, _ms(bud), _ms(m.terms[t]),
-                         _ms(m.terms[t] - bud if bud is not None else None),
-                         f"{pts[t]:+.2f}" if pts else "", rule))
-            if t == "kernel_efficiency" and m.kernel_split:
-                rows += [("  GEMMs below peak", "", _ms(m.kernel_split["gemm_below_peak"]), "",
-                          "", ""), ("  non-GEMM kernels", "", _ms(m.kernel_split["non_gemm"]),
-                                    "", "", "")]
-            if t == "exposed_comm":
-                axes = sorted(set(m.exposed_by_axis) | set(b.by_axis if b else {}))
-                rows += [(f"  {a}", _ms(sum(b.by_axis[a]) / 2 if b and a in b.by_axis else
-                                        None), _ms(m.exposed_by_axis.get(a, 0.0)), "", "", "")
-                         for a in axes]
-        rows.append(("T_step", _ms(b.step if b else None), _ms(m.t_step),
-                     _ms(m.t_step - b.step if b else None),
-                     f"{sum(pts.values()):+.2f}" if pts else "", "planned - measured MFU"))
-        out = head + [""] + _table(rows)
-        if self.gemms:
-            out += ["", "GEMM efficiency by shape (summed over the steps and devices above):"]
-            out += _table([("shape", "count", "ms", "TFLOP/s", "of peak")] + [
-                (g["shape"], str(g["count"]), _ms(g["time_s"]), f"{g['tflops']:.3g}",
-                 f"{g['of_peak']:.0%}") for g in self.gemms[:8]])
-        if len(self.steps) > 1:
-            out += [""] + [f"step {s.step}: T_step {s.t_step * 1e3:.2f} ms, " + ", ".join(
-                f"{_LABELS[t][0]} {s.terms[t] * 1e3:.2f}" for t in TERMS) for s in self.steps]
-        out += [f"note: {n}" for n in self.notes]
-        return "\n".join(out)
-
-    def to_json(self) -> dict:
-        def step(s):
-            return {"step": s.step, "devices": s.devices, "t_step_s": s.t_step,
-                    "terms_s": s.terms, "exposed_by_axis_s": s.exposed_by_axis,
-                    "kernel_split_s": s.kernel_split, "per_device": s.per_device}
-        b = self.budget
-        return {"title": self.title, "files": [str(f) for f in self.files],
-                "steps_by": self.assignment, "gpu": self.gpu, "peak_flops": self.peak,
-                "ideal_s": self.ideal, "mfu": self.mfu, "mean": step(self.mean),
-                "steps": [step(s) for s in self.steps],
-                "budget": None if b is None else {
-                    "gpu": b.gpu, "layout": b.layout, "ideal_s": b.ideal, "step_s": b.step,
-                    "terms_s": b.terms, "exposed_by_axis_s": b.by_axis,
-                    "mfu": self.ideal / b.step, "expected_mfu": b.expected_mfu},
-                "mfu_points": self.points(), "gemm_shapes": self.gemms, "notes": self.notes,
-                "logged_step_time_s": self.logged}
-
-    def plot(self, path) -> None:
-        """Stacked bars: the ledger's budget next to the measured step."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        bars = [("measured", self.ideal, self.mean.terms)]
-        if self.budget is not None:
-            bars.insert(0, ("ledger budget", self.budget.ideal,
-                            {t: self.budget.mid(t) for t in TERMS}))
-        fig, ax = plt.subplots(figsize=(6, 5))
-        colors = plt.get_cmap("tab10").colors
-        for x, (name, ideal, terms) in enumerate(bars):
-            bottom = 0.0
-            for i, (t, v) in enumerate([("T_ideal", ideal)] + [(t, terms[t]) for t in TERMS]):
-                v = max(v, 0.0) * 1e3
-                ax.bar(x, v, bottom=bottom, color=colors[i % 10],
-                       label=(_LABELS.get(t, (t,))[0] if x == len(bars) - 1 else None))
-                bottom += v
-        ax.set_xticks(range(len(bars)), [b[0] for b in bars])
-        ax.set_ylabel("ms per step")
-        ax.set_title(f"MFU {self.mfu:.1%} measured" + (
-            f", {self.ideal / self.budget.step:.1%} planned" if self.budget else ""))
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
-    def save(self, folder) -> None:
-        folder = pathlib.Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "mfu_breakdown.json").write_text(json.dumps(self.to_json(), indent=1))
-        self.plot(folder / "mfu_breakdown.png")
-
-
-def _ms(x) -> str:
-    return "" if x is None else f"{x * 1e3:.2f}"
-
-
-def _table(rows) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) if i in (0, len(r) - 1) else c.rjust(w)
-                      for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
-
-
 # ----------------------------------------------------------------------------- entry points
 
 def breakdown(run_dir=None, *, trace=None, cfg: Config | None = None, hlo_text: str | None = None,
               gpu: str | None = None, n_devices: int | None = None) -> Breakdown:
     """The breakdown of a run directory's newest profile, or of trace files (several: several
     hosts) with the config they ran. The GPU suite calls `breakdown(run_dir).format()`."""
-    notes, logged, run_info = [], {}, {}
-    if run_dir is not None:
-        run_dir = pathlib.Path(run_dir)
-        files = pt.session_files(run_dir)
-        if not files:
-            raise BreakdownError(
-                f"{run_dir} has no profile (no profile/**/*.xplane.pb or *.trace.json.gz); "
-                "train with --train.profile_steps=N --train.profile_start=S")
-        cfg = cfg or _run_config(run_dir)
-        run_info = _read_json(run_dir / "run.json") or {}
-        logged = _logged_step_times(run_dir / "metrics.jsonl")
-        hlo_file = files[0].parent / pt.HLO_FILE
-        if hlo_text is None and hlo_file.is_file():
-            hlo_text = hlo_file.read_text()
-        title = str(run_dir)
-    else:
-        files = [pathlib.Path(f) for f in trace or ()]
-        if cfg is None:
-            raise BreakdownError("--trace needs --config: the recipe (configs/X.py) or a run's "
-                                 "config.json that the trace ran (model FLOPs for T_ideal, the "
-                                 "layout for the ledger's budget)")
-        title = ", ".join(f.name for f in files)
+    title, files, cfg, run_info, logged, hlo_text = _inputs(run_dir, trace, cfg, hlo_text)
     data = pt.load(files)
+    notes = []
     n_devices = n_devices or run_info.get("n_devices")
-    mesh = None
-    ops, module = {}, ""
+    if not n_devices:
+        n_devices = len(mt.timeline(data).devices)
+        notes.append(f"{n_devices} devices, those in the trace (--devices: the whole job's)")
+    mesh, ops, module = None, {}, ""
     if hlo_text:
         module = pt.hlo_module_name(hlo_text)
         try:
-            degrees = resolve_degrees(cfg, n_devices) if n_devices else None
-            mesh = {a: degrees[a] for a in MESH_ORDER} if degrees else None
+            degrees = resolve_degrees(cfg, n_devices)
+            mesh = {a: degrees[a] for a in MESH_ORDER}
         except ConfigError:
             notes.append(f"the config's layout does not fit {n_devices} devices: collectives "
                          "by kind, not mesh axis")
@@ -380,19 +187,16 @@ def breakdown(run_dir=None, *, trace=None, cfg: Config | None = None, hlo_text: 
             f"{title}: no complete step in the trace ({n_marks} step markers); a step needs "
             "its device work and the end of the step before it (or its StepTraceAnnotation) "
             "in the trace: profile at least 2 steps (--train.profile_steps=2)")
-    n_devices = n_devices or len(tl.devices)
     gpu_ = _gpu(gpu, run_info, tl, cfg, notes)
     peak = gpu_.peak_flops(cfg.model.compute_dtype)
-    from jaxtrain.ledger.flops import model_flops_per_token, tokens_per_step
     ideal = model_flops_per_token(cfg) * tokens_per_step(cfg) / (n_devices * peak)
     try:
         budget = ledger_budget(cfg, n_devices, gpu_)
     except ConfigError as err:
         budget = None
         notes.append(f"no ledger budget: {err}")
-    stage = mesh["stage"] if mesh else 1
     expected = _expected_seconds(cfg, n_devices, gpu_) if not gpu_.estimate else None
-    steps = [step_terms(k, windows[k], tl, ideal, stage, expected)
+    steps = [step_terms(k, windows[k], tl, ideal, mesh["stage"] if mesh else 1, expected)
              for k in sorted(windows, key=lambda k: (str(type(k)), k))]
     if ops and not any(o.gemm and o.backward is not None for v in tl.devices.values()
                        for o in v):
@@ -405,6 +209,31 @@ def breakdown(run_dir=None, *, trace=None, cfg: Config | None = None, hlo_text: 
     return Breakdown(title=title, files=files, assignment=how, gpu=gpu_.name, peak=peak,
                      ideal=ideal, steps=steps, budget=budget,
                      gemms=gemm_shapes(windows, peak), notes=notes, logged=logged)
+
+
+def _inputs(run_dir, trace, cfg, hlo_text):
+    """(title, files, config, run.json, logged step times, HLO text) of a run or of traces."""
+    if run_dir is None:
+        files = [pathlib.Path(f) for f in trace or ()]
+        if cfg is None:
+            raise BreakdownError("--trace needs --config: the recipe (configs/X.py) or a run's "
+                                 "config.json that the trace ran (model FLOPs for T_ideal, the "
+                                 "layout for the ledger's budget)")
+        return ", ".join(f.name for f in files), files, cfg, {}, {}, hlo_text
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.is_dir():
+        raise BreakdownError(f"{run_dir}: no such run directory (train.workdir)")
+    files = pt.session_files(run_dir)
+    if not files:
+        raise BreakdownError(
+            f"{run_dir} has no profile (no profile/**/*.xplane.pb or *.trace.json.gz); "
+            "train with --train.profile_steps=N --train.profile_start=S")
+    hlo_file = files[0].parent / pt.HLO_FILE
+    if hlo_text is None and hlo_file.is_file():
+        hlo_text = hlo_file.read_text()
+    return (str(run_dir), files, cfg or _run_config(run_dir),
+            _read_json(run_dir / "run.json") or {},
+            _logged_step_times(run_dir / "metrics.jsonl"), hlo_text)
 
 
 def after_profile(workdir, lowered, log=print) -> Breakdown | None:

@@ -47,6 +47,7 @@ class Op:
     backward: bool | None = None
     label: str = ""         # comm: mesh axes ("data", "data+fsdp") or the collective's kind
     wire_bytes: float = 0.0
+    executions: int = 1     # of its HLO op per step
     key: tuple | None = None   # ("run", module, run_id) or ("corr", id)
 
 
@@ -105,7 +106,8 @@ def _op(s: pt.Span, ops: dict, module: str) -> Op | None:
               gemm_flops=info.gemm_flops if info is not None else 0.0,
               gemm=kind == "compute" and gemm, gemm_shape=info.gemm_shape if info else "",
               backward=info.backward if info is not None else None, label=label,
-              wire_bytes=info.wire_bytes if info is not None else 0.0, key=key)
+              wire_bytes=info.wire_bytes if info is not None else 0.0,
+              executions=info.executions if info is not None else 1, key=key)
 
 
 def timeline(trace: pt.Trace, ops: dict | None = None, module: str = "") -> Timeline:

@@ -192,6 +192,7 @@ class HloOp:
     comm: str = ""                 # "" or a collective kind ("all-reduce", ..., "p2p")
     axes: tuple | None = None      # mesh axes of a collective; None unknown
     wire_bytes: float = 0.0        # what one device sends per execution (hlo.py convention)
+    executions: int = 1            # per step (loop trip counts; every branch of a conditional)
 
 
 _OP_NAME_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^{}]*op_name="([^"]*)"',
@@ -210,7 +211,7 @@ def hlo_ops(text: str, mesh_shape: dict | None = None) -> dict[str, HloOp]:
     """Every instruction of a compiled module's text by name (the trace's `hlo_op`).
 
     mesh_shape (axis -> size, mesh order) maps collectives' device groups to mesh axes."""
-    comps, _ = hlo.parse_module(text)
+    comps, reach = hlo._parsed(text)
     op_names = dict(_OP_NAME_RE.findall(text))
     by_op = {}
     if mesh_shape:
@@ -233,7 +234,8 @@ def hlo_ops(text: str, mesh_shape: dict | None = None) -> dict[str, HloOp]:
                 opcode=instr.opcode, gemm_flops=flops, gemm_shape=shape,
                 backward=None if not op_name else "transpose(" in op_name, comm=comm,
                 axes=coll.axes if coll is not None else None,
-                wire_bytes=coll.wire_bytes if coll is not None else 0.0)
+                wire_bytes=coll.wire_bytes if coll is not None else 0.0,
+                executions=reach[comp.name].count)
     return out
 
 
