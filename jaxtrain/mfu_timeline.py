@@ -34,7 +34,7 @@ _TRANSFER_RE = re.compile(r"memcpy|memset", re.I)
 _TORCH_STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Op:
     """One op on a device's timeline (µs)."""
     start: float

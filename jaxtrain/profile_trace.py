@@ -37,7 +37,7 @@ class TraceError(ConfigError):
     """A trace this module cannot read; the message names the file and what to do."""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
 class Span:
     start: float          # µs
     dur: float            # µs
@@ -241,7 +241,10 @@ def hlo_ops(text: str, mesh_shape: dict | None = None) -> dict[str, HloOp]:
 
 def _gemm(instr, comp, comps, depth: int = 0) -> tuple[float, str]:
     """(matmul FLOPs, largest dot's shape) of an instruction, looking into fusions."""
-    flops = float(hlo._matmul_flops(instr, comp))
+    try:
+        flops = float(hlo._matmul_flops(instr, comp))
+    except hlo.HloParseError:
+        return 0.0, ""   # a matmul whose operands the text does not size: not timed as one
     if flops:
         operands = [s or (comp.by_name[o].shape if o in comp.by_name else "?")
                     for o, s in zip(instr.operands[:2], instr.operand_shapes[:2])]
