@@ -261,7 +261,11 @@ def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
     assert [s.step for s in bd.steps] == [2, 3] and bd.steps[0].devices == 8
     check_sums(bd)
     assert saved["mean"]["t_step_s"] == pytest.approx(bd.mean.t_step)
-    assert set(bd.mean.exposed_by_axis) <= {"data"}       # the data-parallel gradient reduction
+    # The only collectives are the data-parallel gradient reduction's, and the HLO says so.
+    text = (files[0].parent / pt.HLO_FILE).read_text()
+    mesh = {"stage": 1, "data": 8, "fsdp": 1, "context": 1, "tensor": 1}
+    assert {o.axes for o in pt.hlo_ops(text, mesh).values() if o.comm} == {("data",)}
+    assert set(bd.mean.exposed_by_axis) <= {"data"}
     assert bd.gemms and bd.mean.kernel_split is not None
     # the compiled step's matmul FLOPs all show up as GEMMs on each device, every step
     from jaxtrain import hlo
