@@ -1,7 +1,9 @@
 """Where a run's numbers go: console line, metrics.jsonl, TensorBoard, a progress bar.
 
 Throughput figures (tokens/s, MFU, HFU) come from the ledger's formulas (DESIGN.md §5) over
-the device's nominal peak; on CPU the peak is an estimate and the log line says so.
+the device's nominal peak; on CPU the peak is an estimate and the log line says so. `mfu` and
+`hfu` count causal attention as half (Megatron's and MaxText's convention); `mfu_full_attn`
+and `hfu_full_attn` count the full s×s square.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ class Throughput:
     def __init__(self, cfg: Config, n_devices: int):
         self.n_devices = n_devices
         self.peak, self.peak_is_estimate = peak_flops_per_device(cfg)
-        self.model_flops = model_flops_per_token(cfg)
-        self.hardware_flops = hfu_flops_per_token(cfg)
+        self.flops = {"mfu": model_flops_per_token(cfg), "hfu": hfu_flops_per_token(cfg),
+                      "mfu_full_attn": model_flops_per_token(cfg, causal=False),
+                      "hfu_full_attn": hfu_flops_per_token(cfg, causal=False)}
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self._t, self._step = None, None
 
@@ -52,7 +55,7 @@ class Throughput:
         denom = self.n_devices * self.peak
         return {"step_time_s": dt, "tokens_per_sec": tps,
                 "tokens_per_sec_per_device": tps / self.n_devices,
-                "mfu": tps * self.model_flops / denom, "hfu": tps * self.hardware_flops / denom}
+                **{k: tps * f / denom for k, f in self.flops.items()}}
 
 
 def device_memory_gb() -> float | None:

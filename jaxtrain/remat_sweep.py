@@ -80,12 +80,15 @@ def ledger_estimates(cfg: Config, mesh) -> tuple[float | None, float | None]:
         layout = layout_from_config(cfg, mesh.size)
         gpu = gpu_for_device_kind(mesh.devices.flat[0].device_kind)
         est = estimate(cfg, layout, gpu, remat=r)
+        # Full s×s attention on both sides: the compiled overhead it is shown next to runs
+        # XLA's attention, which computes the masked half too.
         recompute = 0.0 if r.offload else ledger_flops.recompute_flops_per_token(
-            cfg, r, est.stage_layers, layout.virtual_stages)
+            cfg, r, est.stage_layers, layout.virtual_stages, causal=False)
     except ConfigError as err:
         log.warning("ledger estimate unavailable for %s: %s", remat.label(r), err)
         return None, None
-    return est.activation_bytes, recompute / ledger_flops.model_flops_per_token(cfg)
+    return est.activation_bytes, recompute / ledger_flops.model_flops_per_token(cfg,
+                                                                                causal=False)
 
 
 def random_batch(cfg: Config, mesh, seed: int = 0) -> dict:

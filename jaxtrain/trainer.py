@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxtrain import data as data_lib
+from jaxtrain import mfu_breakdown
 from jaxtrain import sharding, step as step_lib
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import Config
@@ -127,7 +128,9 @@ def train(cfg: Config, *, log=print) -> dict:
             if cfg.train.profile_steps and step == cfg.train.profile_start and is_main:
                 jax.profiler.start_trace(str(workdir / "profile"))
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                state, metrics = train_step(state, global_batch_array(setup, next(train_batches)))
+                with jax.profiler.TraceAnnotation(mfu_breakdown.DATA_SPAN):  # input pipeline (data wait)
+                    batch = global_batch_array(setup, next(train_batches))
+                state, metrics = train_step(state, batch)
             if pending is not None:
                 last_logged = _finish(pending, cfg, throughput, writer) or last_logged
             pending = (step, metrics)
@@ -135,6 +138,8 @@ def train(cfg: Config, *, log=print) -> dict:
             if cfg.train.profile_steps and step + 1 == profile_stop and is_main:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
+                mfu_breakdown.after_profile(workdir, train_step.lower(state, batch),
+                                            writer.console)
             done = step + 1
             exiting = bool(cfg.train.exit_interval) and done % cfg.train.exit_interval == 0
             saving = ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)

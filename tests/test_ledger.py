@@ -47,12 +47,16 @@ def test_tied_embeddings_count_once_and_as_lm_head():
 # ----------------------------------------------------------------------------- FLOPs
 
 def test_flops_per_token_8b_and_70b_at_8192():
+    """Causal attention counts half of PaLM's 12·L·h·s (Megatron's and MaxText's convention);
+    causal=False keeps the full square."""
     n_8b = 8_030_261_248 - 128256 * 4096
     assert ledger.model_flops_per_token(recipe("llama3_8b"), 8192) == \
+        6 * n_8b + 6 * 32 * 4096 * 8192
+    assert ledger.model_flops_per_token(recipe("llama3_8b"), 8192, causal=False) == \
         6 * n_8b + 12 * 32 * 4096 * 8192
     n_70b = 70_553_706_496 - 128256 * 8192
     cfg = recipe("llama70b")
-    assert ledger.model_flops_per_token(cfg, 8192) == 6 * n_70b + 12 * 80 * 8192 * 8192
+    assert ledger.model_flops_per_token(cfg, 8192) == 6 * n_70b + 6 * 80 * 8192 * 8192
     per_step = ledger.model_flops_per_token(cfg) * 512 * 8192
     assert ledger.estimate(cfg, ledger.layout_from_config(cfg, 1024), "h100") \
         .model_flops_per_step == pytest.approx(per_step)
@@ -61,18 +65,20 @@ def test_flops_per_token_8b_and_70b_at_8192():
 def test_hfu_flops_follow_remat():
     cfg = recipe("llama3_8b")
     s, layer = 8192, 218_112_000
-    base = 6 * (8_030_261_248 - 128256 * 4096) + 12 * 32 * 4096 * s
+    base = 6 * (8_030_261_248 - 128256 * 4096) + 6 * 32 * 4096 * s   # causal attention
     none = RematConfig(granularity="none")
     full = RematConfig(granularity="full", method="uniform", num_layers=2)
     sel = RematConfig(granularity="selective", modules=("core_attn",))
     block = RematConfig(granularity="full", method="block", num_layers=2)
     assert ledger.hfu_flops_per_token(cfg, none, seq_len=s) == base
     assert ledger.hfu_flops_per_token(cfg, full, seq_len=s) == \
-        base + 32 * (2 * layer + 4 * 4096 * s)
-    assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s) == base + 32 * 4 * 4096 * s
+        base + 32 * (2 * layer + 2 * 4096 * s)
+    assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s) == base + 32 * 2 * 4096 * s
+    assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s, causal=False) == \
+        base + 6 * 32 * 4096 * s + 32 * 4 * 4096 * s
     # Block: the first 2 layers of each of 4 stages x 2 chunks are recomputed, and the pipeline
     # executor runs every layer's forward once more (each B recomputes its chunk).
-    layer_fwd = 2 * layer + 4 * 4096 * s
+    layer_fwd = 2 * layer + 2 * 4096 * s
     assert ledger.hfu_flops_per_token(cfg, block, (8, 8, 8, 8), 2, s) == \
         base + 16 * layer_fwd + 32 * layer_fwd
     assert ledger.hfu_flops_per_token(cfg, none, (8, 8, 8, 8), 2, s) == base + 32 * layer_fwd

@@ -119,7 +119,7 @@ def test_small_pipelined_estimate_by_hand():
     assert est.activation_bytes_by_remat["full"] == pytest.approx(
         4 * chunk_input + 4 * SBH * 2 / 2 + PER_LAYER_ACTS)
     # HFU: each B re-runs its chunk forward; MFU's model FLOPs are unchanged.
-    layer_fwd = 2 * LAYER + 4 * H * S
+    layer_fwd = 2 * LAYER + 2 * H * S  # causal attention: half of 4·H·S
     assert est.model_flops_per_token == ledger.model_flops_per_token(cfg)
     assert est.hfu_flops_per_token == pytest.approx(
         ledger.model_flops_per_token(cfg) + LAYERS * layer_fwd)
@@ -139,7 +139,7 @@ def test_remat_recompute_adds_to_the_executors():
     cfg = small()
     cfg.remat = RematConfig(granularity="full", method="uniform", num_layers=1)
     est = estimate(cfg)
-    layer_fwd = 2 * LAYER + 4 * H * S
+    layer_fwd = 2 * LAYER + 2 * H * S  # causal attention: half of 4·H·S
     assert est.hfu_flops_per_token == pytest.approx(
         ledger.model_flops_per_token(cfg) + 2 * LAYERS * layer_fwd)
     assert est.lockstep_bubble == pytest.approx((4 + 4 * 5) / (4 * 5) - 1)
@@ -167,7 +167,7 @@ def test_tied_embeddings_hold_one_table_but_reduce_both_gradients():
 def test_hfu_from_the_config_counts_the_executor():
     """The trainer's metrics call hfu_flops_per_token(cfg): the configured stages decide."""
     cfg = small()
-    layer_fwd = 2 * LAYER + 4 * H * S
+    layer_fwd = 2 * LAYER + 2 * H * S  # causal attention: half of 4·H·S
     assert flops.hfu_flops_per_token(cfg) == pytest.approx(
         ledger.model_flops_per_token(cfg) + LAYERS * layer_fwd)
     cfg.parallel = dataclasses.replace(cfg.parallel, stage=1)

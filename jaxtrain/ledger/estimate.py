@@ -8,7 +8,8 @@ Expected step time (a budget of losses, each with an optimistic and a pessimisti
 optimistic ones give the high MFU):
 - compute: model FLOPs at peak × kernel efficiency (per GPU, e.g. H100 0.50–0.70: the whole
   compute stream of a large Llama step, not just cuBLAS GEMMs); FP8 runs the transformer-layer
-  matmuls at the FP8 peak, attention and lm_head at bf16.
+  matmuls at the FP8 peak, attention and lm_head at bf16. Attention is timed as it runs: the
+  causal half with a flash kernel, the full s×s square with XLA's attention.
 - recompute: the HFU − model FLOPs at the same rate (the remat config's and, with stages, the
   executor's chunk forward in every B).
 - bubble: (compute + recompute) × the lock-step table's idle fraction (F = 1, B = 3 + the remat
@@ -20,8 +21,11 @@ optimistic ones give the high MFU):
   CP 0.2–0.8 (overlaps the ring's attention blocks).
 - overhead: 50–150 µs per layer-microbatch (launch gaps, small kernels, host sync) and
   20–100 µs latency per pipeline send (2 per table step).
-MFU = ideal step / expected step, ideal = model FLOPs / (devices × peak of the compute dtype);
-FP8 runs still divide by the bf16 peak, so their MFU can exceed the bf16 ceiling.
+MFU = ideal step / expected step, ideal = model FLOPs / (devices × peak of the compute dtype),
+model FLOPs counting causal attention as half (ledger.flops, the trainer's `mfu`); FP8 runs
+still divide by the bf16 peak, so their MFU can exceed the bf16 ceiling. The `*_full_attn`
+FLOPs count the full s×s square, as XLA's attention computes it (for comparing with compiled
+FLOPs).
 """
 from __future__ import annotations
 
@@ -98,6 +102,9 @@ class Estimate:
     lockstep_bubble: float = 0.0  # the executor's table: idle fraction, used in the step time
     pipeline_buffer_bytes: float = 0.0   # its chunk-input buffers, part of activation_bytes
     chunk_input_bytes: float = 0.0       # one buffer / one send
+    # FLOPs with the full s×s attention square (what XLA's attention runs; compiled comparisons)
+    model_flops_per_step_full_attn: float = 0.0
+    hfu_flops_per_step_full_attn: float = 0.0
 
     @property
     def n_devices(self) -> int:
@@ -189,6 +196,9 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     tokens = L.global_batch * seq
     f_model = flops.model_flops_per_token(cfg, seq)
     f_hfu = flops.hfu_flops_per_token(cfg, remat, stage_layers, L.virtual_stages, seq)
+    f_model_full = flops.model_flops_per_token(cfg, seq, causal=False)
+    f_hfu_full = flops.hfu_flops_per_token(cfg, remat, stage_layers, L.virtual_stages, seq,
+                                           causal=False)
     peak = gpu.peak_flops(m.compute_dtype)
     D = L.n_devices
     ideal = f_model * tokens / (D * peak)
@@ -218,8 +228,10 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
         else:
             notes.append(f"{gpu.name} has no FP8 tensor cores: timed as bf16")
     fp8_flops_step = layer_flops * fp8_frac
-    rest_flops_step = f_model * tokens - fp8_flops_step
-    recompute_step = (f_hfu - f_model) * tokens
+    # What runs: a flash kernel skips the masked half of the scores, XLA's attention does not.
+    run_model, run_hfu = (f_model, f_hfu) if flash else (f_model_full, f_hfu_full)
+    rest_flops_step = run_model * tokens - fp8_flops_step
+    recompute_step = (run_hfu - run_model) * tokens
     bubble = comm.bubble_fraction(L.stage, L.microbatches, L.virtual_stages)
     lockstep = 0.0
     if ex is not None:
@@ -272,7 +284,9 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
         bubble=bubble, ideal_step_s=ideal, expected_step_s=step,
         expected_mfu=(ideal / step[1], ideal / step[0]), losses=losses, notes=tuple(notes),
         executor=ex, lockstep_bubble=lockstep, pipeline_buffer_bytes=act.buffers,
-        chunk_input_bytes=pipeline.chunk_input_bytes(cfg, L, seq) if ex else 0.0)
+        chunk_input_bytes=pipeline.chunk_input_bytes(cfg, L, seq) if ex else 0.0,
+        model_flops_per_step_full_attn=f_model_full * tokens,
+        hfu_flops_per_step_full_attn=f_hfu_full * tokens)
 
 
 _HINTS = {"static": "more tensor/stage parallelism, ZeRO-1 or FSDP",

@@ -1,12 +1,15 @@
-"""Parameter counts, model FLOPs (PaLM/Megatron convention), recompute FLOPs, MFU and HFU.
+"""Parameter counts, model FLOPs (Megatron/MaxText convention), recompute FLOPs, MFU and HFU.
 
-Model FLOPs per token = 6·N + 12·L·(H·E)·s (DESIGN.md §5): N counts every parameter except
+Model FLOPs per token = 6·N + 6·L·(H·E)·s (DESIGN.md §5): N counts every parameter except
 the input embedding (the lm_head is a matmul, so it counts; with tied embeddings the one table
 is the lm_head and N equals the total), H·E is the query width (the hidden size for Llama),
-s the sequence length. The attention term is the non-causal one, as in PaLM and Megatron's
-papers. MFU divides model FLOPs by peak; HFU adds what is run again: the remat config's
-recompute and, with pipeline stages, the executor's chunk forward in every B (ledger.pipeline:
-one more forward of every layer per microbatch, whatever the remat config).
+s the sequence length. The attention term counts the causal half of the s×s products, as
+Megatron-LM's and MaxText's FLOP counters now do; `causal=False` gives the full square of
+PaLM's and Megatron's papers (12·L·(H·E)·s), which is also what XLA's attention computes, so
+comparisons with compiled FLOPs use it. MFU divides model FLOPs by peak; HFU adds what is run
+again: the remat config's recompute and, with pipeline stages, the executor's chunk forward in
+every B (ledger.pipeline: one more forward of every layer per microbatch, whatever the remat
+config), attention counted the same way.
 """
 from __future__ import annotations
 
@@ -53,36 +56,50 @@ def param_counts(model: ModelConfig) -> ParamCounts:
                        num_layers=model.num_layers)
 
 
-def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """12·L·(H·E)·s: QK^T and PV, forward (4) plus backward (8), per token."""
-    return 12.0 * model.num_layers * model.num_heads * model.resolved_head_dim * seq_len
+# The share of the s×s score and PV products a causal mask keeps (the lower triangle).
+CAUSAL_FRACTION = 0.5
 
 
-def model_flops_per_token(cfg: Config, seq_len: int | None = None) -> float:
-    """6·N + 12·L·h·s, forward plus backward, no recompute."""
+def _attention_fraction(causal: bool) -> float:
+    return CAUSAL_FRACTION if causal else 1.0
+
+
+def attention_flops_per_token(model: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """QK^T and PV, forward (4) plus backward (8), per token: 12·L·(H·E)·s for the full square,
+    half of it causal."""
+    return (12.0 * model.num_layers * model.num_heads * model.resolved_head_dim * seq_len
+            * _attention_fraction(causal))
+
+
+def model_flops_per_token(cfg: Config, seq_len: int | None = None, *,
+                          causal: bool = True) -> float:
+    """6·N + 6·L·h·s (causal; 12·L·h·s with causal=False), forward plus backward, no
+    recompute."""
     seq_len = seq_len or cfg.train.seq_len
-    return 6.0 * param_counts(cfg.model).non_embedding + attention_flops_per_token(cfg.model,
-                                                                                   seq_len)
+    return (6.0 * param_counts(cfg.model).non_embedding
+            + attention_flops_per_token(cfg.model, seq_len, causal=causal))
 
 
 # Forward FLOPs per token per layer that recomputing each tagged activation re-runs
 # (DESIGN.md §3 tags; "mlp" and "layernorm" are Megatron's --recompute-modules names).
 # Norms, RoPE and the SwiGLU product are elementwise: not counted, as in model FLOPs.
-def _module_flops(model: ModelConfig, seq_len: int) -> dict[str, float]:
+def _module_flops(model: ModelConfig, seq_len: int, causal: bool) -> dict[str, float]:
     h, E, F = model.hidden_size, model.resolved_head_dim, model.mlp_size
     H, K = model.num_heads, model.num_kv_heads
+    attn = 4.0 * H * E * seq_len * _attention_fraction(causal)
     return {"layer_input": 0.0, "attn_norm": 0.0, "mlp_norm": 0.0, "mlp_act": 0.0,
             "layernorm": 0.0,
-            "qkv_proj": 2.0 * h * (H + 2 * K) * E, "core_attn": 4.0 * H * E * seq_len,
-            "core_attn_out": 4.0 * H * E * seq_len,   # QK^T and PV (remat.MODULES)
+            "qkv_proj": 2.0 * h * (H + 2 * K) * E, "core_attn": attn,
+            "core_attn_out": attn,   # QK^T and PV (remat.MODULES)
             "attn_out": 2.0 * H * E * h, "mlp_in": 4.0 * h * F, "mlp_out": 2.0 * F * h,
             "mlp": 6.0 * h * F}
 
 
-def layer_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """One layer's forward per token: 2·(layer params) + 4·(H·E)·s (QK^T and PV)."""
-    return 2.0 * param_counts(model).layer + 4.0 * model.num_heads * model.resolved_head_dim \
-        * seq_len
+def layer_forward_flops_per_token(model: ModelConfig, seq_len: int, *,
+                                  causal: bool = True) -> float:
+    """One layer's forward per token: 2·(layer params) + 4·(H·E)·s (QK^T and PV; half causal)."""
+    return (2.0 * param_counts(model).layer + 4.0 * model.num_heads * model.resolved_head_dim
+            * seq_len * _attention_fraction(causal))
 
 
 def recomputed_layers(remat: RematConfig, stage_layers: tuple[int, ...],
@@ -97,7 +114,8 @@ def recomputed_layers(remat: RematConfig, stage_layers: tuple[int, ...],
 
 def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
                               stage_layers: tuple[int, ...] | None = None,
-                              virtual_stages: int = 1, seq_len: int | None = None) -> float:
+                              virtual_stages: int = 1, seq_len: int | None = None, *,
+                              causal: bool = True) -> float:
     """Extra forward FLOPs per token that the remat config re-runs in the backward pass.
 
     Full: one forward of each recomputed layer, 2·(layer params) + 4·(H·E)·s. Selective: the
@@ -111,24 +129,26 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
     if remat.granularity == "full":
         stage_layers = stage_layers or (m.num_layers,)
         n = recomputed_layers(remat, stage_layers, virtual_stages)
-        return n * layer_forward_flops_per_token(m, seq_len)
-    table = _module_flops(m, seq_len)
+        return n * layer_forward_flops_per_token(m, seq_len, causal=causal)
+    table = _module_flops(m, seq_len, causal)
     unknown = [x for x in remat.modules if x not in table]
     if unknown:
         raise ConfigError(f"remat.modules has unknown {unknown}; known: {', '.join(table)}")
     return m.num_layers * sum(table[x] for x in set(remat.modules))
 
 
-def executor_recompute_flops_per_token(cfg: Config, seq_len: int | None = None) -> float:
+def executor_recompute_flops_per_token(cfg: Config, seq_len: int | None = None, *,
+                                       causal: bool = True) -> float:
     """The pipeline executor's extra forward: a B re-runs its chunk from the stashed input, so
     every layer runs forward once more per microbatch (the head is not re-run)."""
     m = cfg.model
-    return m.num_layers * layer_forward_flops_per_token(m, seq_len or cfg.train.seq_len)
+    return m.num_layers * layer_forward_flops_per_token(m, seq_len or cfg.train.seq_len,
+                                                        causal=causal)
 
 
 def hfu_flops_per_token(cfg: Config, remat: RematConfig | None = None,
                         stage_layers: tuple[int, ...] | None = None, virtual_stages: int = 1,
-                        seq_len: int | None = None) -> float:
+                        seq_len: int | None = None, *, causal: bool = True) -> float:
     """Model FLOPs + the remat config's recompute + the pipeline executor's chunk forward.
 
     stage_layers: layers per pipeline stage (more than one: pipelined); None takes the
@@ -137,9 +157,11 @@ def hfu_flops_per_token(cfg: Config, remat: RematConfig | None = None,
         virtual_stages = cfg.parallel.virtual_stages
         stage_layers = stage_layer_counts(cfg, cfg.parallel.stage, virtual_stages)
     pipelined = stage_layers is not None and len(stage_layers) > 1
-    return (model_flops_per_token(cfg, seq_len)
-            + recompute_flops_per_token(cfg, remat, stage_layers, virtual_stages, seq_len)
-            + (executor_recompute_flops_per_token(cfg, seq_len) if pipelined else 0.0))
+    return (model_flops_per_token(cfg, seq_len, causal=causal)
+            + recompute_flops_per_token(cfg, remat, stage_layers, virtual_stages, seq_len,
+                                        causal=causal)
+            + (executor_recompute_flops_per_token(cfg, seq_len, causal=causal)
+               if pipelined else 0.0))
 
 
 def tokens_per_step(cfg: Config) -> int:
@@ -147,14 +169,16 @@ def tokens_per_step(cfg: Config) -> int:
 
 
 def mfu(cfg: Config, tokens_per_sec: float, n_devices: int, peak_flops: float,
-        seq_len: int | None = None) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over n_devices · peak (PaLM)."""
-    return tokens_per_sec * model_flops_per_token(cfg, seq_len) / (n_devices * peak_flops)
+        seq_len: int | None = None, *, causal: bool = True) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over n_devices · peak."""
+    return (tokens_per_sec * model_flops_per_token(cfg, seq_len, causal=causal)
+            / (n_devices * peak_flops))
 
 
 def hfu(cfg: Config, tokens_per_sec: float, n_devices: int, peak_flops: float,
         stage_layers: tuple[int, ...] | None = None, virtual_stages: int = 1,
-        seq_len: int | None = None) -> float:
+        seq_len: int | None = None, *, causal: bool = True) -> float:
     """Hardware FLOPs utilisation: as mfu, counting what remat and the pipeline re-run."""
-    return (tokens_per_sec * hfu_flops_per_token(cfg, None, stage_layers, virtual_stages, seq_len)
+    return (tokens_per_sec * hfu_flops_per_token(cfg, None, stage_layers, virtual_stages, seq_len,
+                                                 causal=causal)
             / (n_devices * peak_flops))
