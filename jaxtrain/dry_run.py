@@ -494,8 +494,10 @@ class DryRun:
 
         D = self.n_devices
         xla = "n/a" if self.xla_flops is None else f"{self.xla_flops:.4g}"
-        out.append(f"FLOPs per device per step: ledger model {e.model_flops_per_step / D:.4g}, "
-                   f"with recompute {e.hfu_flops_per_step / D:.4g}; compiled matmuls "
+        # full causal square, as the compiled matmuls compute it (mfu counts it half)
+        out.append(f"FLOPs per device per step: ledger model "
+                   f"{e.model_flops_per_step_full_attn / D:.4g}, with recompute "
+                   f"{e.hfu_flops_per_step_full_attn / D:.4g}; compiled matmuls "
                    f"{self.matmul_flops:.4g}; XLA cost_analysis {xla} (counts each scanned "
                    "loop body once)")
         if ex is not None:
@@ -525,9 +527,10 @@ class DryRun:
                                                     key=lambda kv: str(kv[0])))]},
             "ledger": {"memory": lm, "static_bytes": self.estimate.static_bytes,
                        "activation_bytes": self.estimate.activation_bytes,
-                       "model_flops_per_device": self.estimate.model_flops_per_step
+                       "model_flops_per_device": self.estimate.model_flops_per_step_full_attn
                        / self.n_devices,
-                       "hfu_flops_per_device": self.estimate.hfu_flops_per_step / self.n_devices},
+                       "hfu_flops_per_device": self.estimate.hfu_flops_per_step_full_attn
+                       / self.n_devices},
             "comm_by_axes": [{"axes": axes(a), "ledger_bytes": lg, "compiled_wire_bytes": cp}
                              for a, (lg, cp) in self.comm_by_axes().items()],
             "lower_s": self.lower_s, "compile_s": self.compile_s,

@@ -211,7 +211,7 @@ def hlo_ops(text: str, mesh_shape: dict | None = None) -> dict[str, HloOp]:
     """Every instruction of a compiled module's text by name (the trace's `hlo_op`).
 
     mesh_shape (axis -> size, mesh order) maps collectives' device groups to mesh axes."""
-    comps, reach = hlo._parsed(text)
+    comps, reach = hlo.parsed(text)
     op_names = dict(_OP_NAME_RE.findall(text))
     by_op = {}
     if mesh_shape:
@@ -242,7 +242,7 @@ def hlo_ops(text: str, mesh_shape: dict | None = None) -> dict[str, HloOp]:
 def _gemm(instr, comp, comps, depth: int = 0) -> tuple[float, str]:
     """(matmul FLOPs, largest dot's shape) of an instruction, looking into fusions."""
     try:
-        flops = float(hlo._matmul_flops(instr, comp))
+        flops = float(hlo.matmul_flops_of(instr, comp))
     except hlo.HloParseError:
         return 0.0, ""   # a matmul whose operands the text does not size: not timed as one
     if flops:
@@ -252,7 +252,7 @@ def _gemm(instr, comp, comps, depth: int = 0) -> tuple[float, str]:
     if instr.opcode != "fusion" or depth > 3:
         return 0.0, ""
     total, best = 0.0, (0.0, "")
-    for name, _, _ in hlo._callees(instr):
+    for name, _, _ in hlo.callees(instr):
         for inner in comps[name].instrs if name in comps else ():
             f, shape = _gemm(inner, comps[name], comps, depth + 1)
             total += f
