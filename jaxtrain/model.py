@@ -141,9 +141,31 @@ class RMSNorm(nnx.Module):
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
 
     def __call__(self, x_BSD):
-        x = x_BSD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(jnp.float32)).astype(self.compute_dtype)
+        return rms_norm(x_BSD, self.scale[...], self.eps, self.compute_dtype)
+
+
+def _elementwise_recomputed(fn):
+    """`fn` whose backward recomputes its (cheap, elementwise) insides from its inputs instead
+    of keeping them: autodiff would otherwise hold every fp32 intermediate per layer (a 70B
+    layer's norms kept 4 fp32 copies of the residual stream, its SwiGLU 5 MLP-sized tensors
+    where Megatron keeps 3). The inputs are kept anyway (the residual stream, the in-projection
+    outputs), so this costs no memory and a few elementwise passes."""
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+def rms_norm(x_BSD, scale_D, eps: float, compute_dtype):
+    """RMSNorm with its statistics in fp32 whatever the compute dtype."""
+    @_elementwise_recomputed
+    def norm(x_BSD, scale_D):
+        x = x_BSD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+        return (x * scale_D.astype(jnp.float32)).astype(compute_dtype)
+    return norm(x_BSD, scale_D)
+
+
+@_elementwise_recomputed
+def swiglu(gate_BSF, up_BSF):
+    return jax.nn.silu(gate_BSF) * up_BSF
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -226,7 +248,7 @@ class Mlp(nnx.Module):
         c = self.ops.constrain
         gate_BSF = c(checkpoint_name(self.w_gate(x_BSD, fp8), "mlp_in"), ("batch", None, "mlp"))
         up_BSF = c(checkpoint_name(self.w_up(x_BSD, fp8), "mlp_in"), ("batch", None, "mlp"))
-        h_BSF = checkpoint_name(jax.nn.silu(gate_BSF) * up_BSF, "mlp_act")
+        h_BSF = checkpoint_name(swiglu(gate_BSF, up_BSF), "mlp_act")
         return checkpoint_name(self.w_down(h_BSF, fp8), "mlp_out")
 
 

@@ -210,15 +210,11 @@ def loss_and_grads(setup):
     """`fn(params, batch, fp8_meta=None) -> (loss, tokens, grads, meta_grad)`:
     step.loss_and_grads on the pipeline (meta_grad: the FP8 metas' amax observations, max
     over microbatches and data replicas; None without fp8_meta)."""
+    from jaxtrain.step import compute_params
     pm = build(setup)
-    cfg = setup.cfg
-    compute_dtype = jnp.dtype(cfg.model.compute_dtype)
 
     def fn(params, batch, fp8_meta=None):
-        if cfg.parallel.zero1:
-            # Distributed optimizer: gather a compute-dtype copy once per step.
-            params = jax.tree.map(lambda a, sh: jax.lax.with_sharding_constraint(
-                a.astype(compute_dtype), sh), params, setup.compute_shardings)
+        params = compute_params(setup, params)
         tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
         total = jnp.maximum(tokens, 1.0)
 

@@ -70,7 +70,7 @@ def with_remat(cfg: Config, r: RematConfig) -> Config:
         r, memory_budget_gb=cfg.remat.memory_budget_gb))
 
 
-def ledger_estimates(cfg: Config, mesh) -> tuple[float | None, float | None]:
+def ledger_estimates(cfg: Config, mesh, gpu=None) -> tuple[float | None, float | None]:
     """(activation bytes per device, recompute FLOPs / model FLOPs) of cfg.remat, or Nones
     when the ledger does not model the policy (escape-hatch policies)."""
     r = cfg.remat
@@ -78,7 +78,7 @@ def ledger_estimates(cfg: Config, mesh) -> tuple[float | None, float | None]:
         return None, None
     try:
         layout = layout_from_config(cfg, mesh.size)
-        gpu = gpu_for_device_kind(mesh.devices.flat[0].device_kind)
+        gpu = gpu or gpu_for_device_kind(mesh.devices.flat[0].device_kind)
         est = estimate(cfg, layout, gpu, remat=r)
         # Full s×s attention on both sides: the compiled overhead it is shown next to runs
         # XLA's attention, which computes the masked half too.
@@ -122,12 +122,12 @@ def time_steps(setup, compiled, steps: int) -> float:
 
 
 def measure(cfg: Config, mesh, *, run: bool = False, steps: int = 5,
-            compiler_options: dict | None = None) -> Row:
+            compiler_options: dict | None = None, gpu=None) -> Row:
     """Compile (and optionally time) the train step of cfg.remat on `mesh`."""
     out = compile_step(cfg, mesh, extra_options=compiler_options)
     setup, compiled, seconds = out.setup, out.compiled, out.compile_s
     mem = hlo.memory(compiled)
-    act, recompute = ledger_estimates(cfg, mesh)
+    act, recompute = ledger_estimates(cfg, mesh, gpu)
     row = Row(policy=remat.label(cfg.remat), temp_bytes=mem["temp_bytes"],
               total_bytes=mem["total_bytes"], flops=hlo.matmul_flops(compiled),
               ledger_activation_bytes=act, ledger_recompute_overhead=recompute,
@@ -156,7 +156,7 @@ def default_policies(cfg: Config, n_stage: int = 1) -> list[str]:
 
 
 def sweep(cfg: Config, mesh, policies: Sequence[str] | None = None, *, run: bool = False,
-          steps: int = 5, compiler_options: dict | None = None,
+          steps: int = 5, compiler_options: dict | None = None, gpu=None,
           echo=print) -> list[Row]:
     """One Row per policy; `none` is always measured first as the FLOPs baseline."""
     names = list(policies or default_policies(cfg, mesh.shape["stage"]))
@@ -168,7 +168,7 @@ def sweep(cfg: Config, mesh, policies: Sequence[str] | None = None, *, run: bool
         remat.validate(r, layers_per_chunk(cfg, mesh.shape["stage"], cfg.parallel.virtual_stages))
     rows = []
     for r in configs:
-        row = measure(with_remat(cfg, r), mesh, run=run, steps=steps,
+        row = measure(with_remat(cfg, r), mesh, run=run, steps=steps, gpu=gpu,
                       compiler_options=compiler_options)
         rows.append(row)
         if echo:
@@ -295,6 +295,20 @@ def _parse_options(items: Sequence[str]) -> dict:
     return out
 
 
+def sweep_devices(cfg: Config, n: int | None, target: str | None) -> list:
+    """The devices the sweep compiles on: the first n present, or n compile-only GPUs of
+    `target` (default: as many as the configured layout needs)."""
+    if target is None:
+        return jax.devices()[:n] if n else jax.devices()
+    from jaxtrain import targets
+    from jaxtrain.dry_run import plan_devices
+    from jaxtrain.ledger import get_gpu
+    planned = plan_devices(cfg, get_gpu(targets.get(target).ledger_gpu), n)
+    if planned.n_devices is None:
+        raise ConfigError(f"cannot compile for {target}: {planned.error}")
+    return targets.devices(target, planned.n_devices)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxtrain.remat_sweep",
                                  description=__doc__.split("\n")[0])
@@ -303,7 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="policies to compare (default: a standard set); see the module doc")
     ap.add_argument("--run", action="store_true", help="also time a few real steps each")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per policy with --run")
-    ap.add_argument("--devices", type=int, default=None, help="use the first N devices")
+    ap.add_argument("--devices", type=int, default=None, help="use the first N devices (with "
+                    "--target: compile for N compile-only GPUs; default the layout's count)")
+    ap.add_argument("--target", default=None, help="compile for compile-only GPUs of this kind "
+                    "(h100, h200) with the real XLA:GPU compiler; needs the gpu-compile extra")
     ap.add_argument("--workdir", default=None, help="where the CSV and PNG go "
                     "(default: train.workdir)")
     ap.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
@@ -311,9 +328,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-        devices = jax.devices()[:args.devices] if args.devices else jax.devices()
+        devices = sweep_devices(cfg, args.devices, args.target)
+        if args.target and args.run:
+            raise ConfigError("--run times steps on real devices; --target only compiles")
         mesh = sharding.make_mesh(cfg.parallel, devices)
-        rows = sweep(cfg, mesh, args.policies, run=args.run, steps=args.steps,
+        gpu = None
+        if args.target:
+            from jaxtrain import targets
+            from jaxtrain.ledger import get_gpu
+            gpu = get_gpu(targets.get(args.target).ledger_gpu)
+        rows = sweep(cfg, mesh, args.policies, run=args.run, steps=args.steps, gpu=gpu,
                      compiler_options=_parse_options(args.compiler_option),
                      echo=lambda s: print(s, file=sys.stderr))
     except ConfigError as err:
@@ -334,4 +358,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--target" in sys.argv and not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")  # compile-only GPUs: before jax starts
     sys.exit(main())

@@ -301,6 +301,18 @@ def per_replica(setup: Setup, fn):
                          in_specs=(P(), P(), P("data")), out_specs=P("data"), check_vma=False)
 
 
+def compute_params(setup: Setup, params):
+    """The params a step computes with: the fp32 masters cast to the compute dtype once per
+    step and placed where `compute_shardings` puts them (under ZeRO-1 that gathers them over
+    data: the distributed optimizer's copy). Gradients are taken w.r.t. this copy, so one
+    microbatch's gradient is compute-dtype sized before it joins the fp32 accumulator
+    (Megatron's bf16 wgrad added into main_grad), and no layer casts its weights again per
+    microbatch."""
+    dtype = jnp.dtype(setup.cfg.model.compute_dtype)
+    return jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(p.astype(dtype), sh),
+                        params, setup.compute_shardings)
+
+
 def loss_and_grads(setup: Setup):
     """`fn(params, batch, fp8_meta=None) -> (loss, tokens, grads, meta_grad)` for a whole
     global batch: microbatch accumulation with one data-parallel reduction at the end (the
@@ -311,7 +323,6 @@ def loss_and_grads(setup: Setup):
         return pipeline_model.loss_and_grads(setup)
     cfg = setup.cfg
     m = cfg.parallel.microbatches
-    compute_dtype = jnp.dtype(cfg.model.compute_dtype)
 
     def replica_sums(params, meta, rows):
         """One replica: (loss sum, tokens, fp32 gradient sums, max amax observations)."""
@@ -347,11 +358,8 @@ def loss_and_grads(setup: Setup):
     run = per_replica(setup, replica_sums)
 
     def fn(params, batch, fp8_meta=None):
-        if cfg.parallel.zero1:
-            # Distributed optimizer: gather a compute-dtype copy once per step.
-            params = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
-                p.astype(compute_dtype), sh), params, setup.compute_shardings)
-        loss_sum, count, grad_sum, meta_obs = run(params, fp8_meta, batch)
+        loss_sum, count, grad_sum, meta_obs = run(compute_params(setup, params), fp8_meta,
+                                                  batch)
         # The one data-parallel reduction of the step.
         total = jnp.maximum(jnp.sum(count), 1.0)
         grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(

@@ -113,9 +113,11 @@ def check_available() -> None:
     except ImportError:
         raise TargetError(f"--target needs the GPU-compile extra (jax[cuda12] at the jax "
                           f"version in use); install it with: {INSTALL}") from None
-    if os.environ.get("JAX_PLATFORMS", "") != "cpu":
+    import jax
+    if (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")) != "cpu":
         raise TargetError("--target compiles on compile-only devices with the CPU backend: set "
-                          "JAX_PLATFORMS=cpu before jax starts (train.py does it for --target)")
+                          "JAX_PLATFORMS=cpu before jax starts (train.py and the remat sweep "
+                          "do it for --target)")
 
 
 def devices(name: str, n_devices: int) -> list:

@@ -8,7 +8,8 @@ alpha is bytes per token (layer activations + logits), beta bytes per sequence p
 attention scores). Three compiles per dtype, (b, s) = (2, 128), (4, 128), (4, 256), give
 both for the compiled step and for the ledger's activations + reserve.
 
-The grad step (forward + backward, no optimizer update) is measured: on a model this small
+The ledger is calibrated on the GPU compiler (tests/gpu); these tests bound XLA:CPU's
+distance from it. The grad step (forward + backward, no optimizer update) is measured: on a model this small
 the update's parameter-sized temporaries can set the temp peak instead of the activations
 (seen at b=1), which would hide the slope. At scale the activations dominate either way.
 """
@@ -54,7 +55,7 @@ def compiled(dtype: str, b: int, s: int, train_step: bool = False):
 
 
 def ledger_scaling_bytes(cfg: Config) -> float:
-    """Ledger activations + reserve (fp32 logits x 4 + a fixed workspace that cancels)."""
+    """Ledger activations + reserve (fp32 logits x 2 + a fixed workspace that cancels)."""
     est = estimate(cfg, layout_from_config(cfg, 1), "cpu", flash=False)  # XLA attention on CPU
     return est.activation_bytes + est.reserve_bytes
 
@@ -78,21 +79,20 @@ def measured(request):
 
 
 def test_activation_memory_per_token_within_tolerance(measured):
-    """Bytes per token (layer activations + logits): compiled / ledger in [0.9, 1.5].
+    """Bytes per token (layer activations + logits) on XLA:CPU: compiled / ledger in
+    [1.0, 2.0].
 
-    Measured with jax 0.10.2: 1.11 in fp32, 1.33 in bf16. The ledger's 34·s·b·h (Korthikanti
-    et al.) counts a GPT layer's bf16 tensors: a 4h GeLU MLP, MHA, 1-byte dropout masks; the
-    ×1.2 SwiGLU margin approximates gate, up, silu(gate) and their product at 3.5 h; grouped-
-    query K/V are smaller than MHA's; there is no dropout here. XLA:CPU fuses differently
-    from the GPU kernels the constants assume (RoPE'd q/k, the norms' fp32 statistics stay
-    materialised) and it upcasts bf16 elementwise ops to fp32, so a bf16 step stores more
-    than 2 bytes per element: hence the larger bf16 residual. Per token outside the layers,
-    the embedding output, the final norm and the cross entropy's fp32 one-hot targets come on
-    top of the ledger's four fp32 logits copies.
+    The ledger models the GPU program (calibrated on the GPU compiler: tests/gpu, within
+    10%): what a layer keeps for its backward and two fp32 copies of the logits. XLA:CPU
+    stores more than that (measured with jax 0.10.2: 1.41x in fp32, 1.75x in bf16): it keeps
+    RoPE'd q/k and the cross entropy's one-hot targets materialised, fuses less, and upcasts
+    bf16 elementwise ops to fp32, so a bf16 step stores more than 2 bytes per element.
+    Per token outside the layers the embedding output and the final norm come on top. The
+    bound catches a ledger (or model) change that moves per-token bytes by a third.
     """
     dtype, (alpha, _), (alpha_ledger, _) = measured
     ratio = alpha / alpha_ledger
-    assert 0.9 <= ratio <= 1.5, f"{dtype}: {alpha:.0f} vs ledger {alpha_ledger:.0f} B/token"
+    assert 1.0 <= ratio <= 2.0, f"{dtype}: {alpha:.0f} vs ledger {alpha_ledger:.0f} B/token"
 
 
 def test_attention_score_memory_within_tolerance(measured):

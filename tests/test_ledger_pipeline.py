@@ -95,7 +95,9 @@ LAYER = 2 * H * H + 2 * H * 512 + 3 * H * F + 2 * H           # q, o; k, v; MLP;
 LAYER_LOCAL = (2 * H * H + 3 * H * F) / 2 + 2 * H * 512 / 2 + 2 * H
 TABLE_LOCAL = V * H / 2                                        # vocab-parallel over t=2
 SBH = S * 4 * H                                                # micro_batch 4
-PER_LAYER_ACTS = 34 * SBH / 2 * 1.2                            # flash, SP over t=2
+# flash, SP over t=2: streams and norm outputs 8sbh, q and o 4sbh, k and v (8 of 16 heads)
+# 2sbh, all over t; the fp32 lse 4 bytes per (token, head); gate, up and their product 6sbF
+PER_LAYER_ACTS = (8 + 4 + 2) * SBH / 2 + 4 * S * 4 * 16 / 2 + 6 * S * 4 * F / 2
 
 
 def estimate(cfg, n=8):

@@ -1,16 +1,15 @@
 """Theoretical memory per device: static state, in-flight activations, workspace reserve.
 
 Conventions (DESIGN.md §5):
-- Static: bf16 param 2 + grad 4 (2 on the bf16-grad / FSDP path) + fp32 master 4 + Adam m 4 +
-  v 4 bytes per parameter held; ZeRO-1 divides the 12 optimizer bytes by data (x context),
-  FSDP divides all of them by the fsdp degree (plus two gathered layers in flight).
-- Activations per layer per microbatch (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models", Table 2): s·b·h·(34 + 5·a·s/h) bytes; with
-  tensor + sequence parallelism everything divides by t (tensor without SP: 10 + 24/t + 5as/(ht));
-  flash attention or selective core_attn recompute drops the 5·a·s/h score term; ×1.2 for
-  SwiGLU's wider MLP. Full recompute keeps the layer input, 2·s·b·h/t, and re-materialises one
-  recompute group at a time. Context parallelism divides s (its scores are (s/c)×s).
-  The 34 counts 2-byte activations; float32 compute doubles it.
+- Static: bf16 param 2 + fp32 grad accumulator 4 (+ 2 for one microbatch's bf16 gradient
+  when microbatches accumulate unpipelined) + fp32 master 4 + Adam m 4 + v 4 bytes per
+  parameter held; ZeRO-1 divides the 12 optimizer bytes by data (x context), FSDP divides all
+  of them by the fsdp degree (plus two gathered layers in flight).
+- Activations per layer per microbatch: what jaxtrain's layer keeps (layer_activation_bytes;
+  for Llama 70B with flash attention and SP, 33·s·b·h/t bytes, next to Korthikanti et al.'s
+  34·s·b·h/t for a GPT layer); XLA attention adds Korthikanti's 5·a·s/h score term.
+  Full recompute keeps the layer input, 2·s·b·h/t, and re-materialises one recompute group at
+  a time. Context parallelism divides s (its scores are (s/c)×s). float32 compute doubles it.
 - In flight. Without pipeline stages, gradient accumulation runs one microbatch at a time:
   L layer-microbatches. With stages, the executor (ledger.pipeline) stashes only chunk
   inputs and recomputes a chunk in its B: its buffers (the busiest rank's stash slots,
@@ -33,7 +32,7 @@ from jaxtrain.ledger.layout import Layout
 from jaxtrain.ledger.pipeline import Executor, chunk_input_bytes
 
 BUDGET_FRACTION = 0.9
-SWIGLU_MARGIN = 1.2
+SCORE_MARGIN = 1.2
 # cuBLAS/NCCL workspaces and XLA temporaries at h = 8192; with the fp32 logits term below this
 # gives DESIGN.md's 8 GB reserve at 70B scale, and it shrinks with the hidden size.
 _WORKSPACE_AT_8K = 6 * GiB
@@ -48,9 +47,15 @@ def bytes_per_param(grad_bf16: bool = False) -> int:
 
 
 def held_bytes_per_param(layout: Layout) -> dict[str, float]:
-    """Bytes per (TP/PP-local) parameter that one device holds, by kind."""
+    """Bytes per (TP/PP-local) parameter that one device holds, by kind, as jaxtrain's step
+    holds them (the GPU compiler's buffer assignment, tests/gpu): the compute-dtype copy (2),
+    the fp32 gradient accumulator (4) and, when microbatches accumulate without pipeline
+    stages, one microbatch's compute-dtype gradient before it is added (2: the layer scan's
+    backward returns every layer's at once); FSDP shards all of them. (Megatron fuses the
+    weight-gradient GEMMs into its fp32 main_grad and holds 4; FSDP codes that reduce in bf16
+    hold 2.)"""
     f = layout.fsdp
-    grad = 2 if f > 1 else 4
+    grad = 4 + (2 if layout.microbatches > 1 and layout.stage == 1 else 0)
     # Megatron's distributed optimizer shards over the data-parallel group, which includes the
     # context ranks (parameters are replicated over both).
     zero = layout.data * layout.context if layout.zero1 else 1
@@ -101,21 +106,36 @@ def _act_scale(cfg: Config) -> float:
     return 2.0 if cfg.model.compute_dtype == "float32" else 1.0
 
 
-def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *,
-                           drop_scores: bool) -> float:
-    """Korthikanti's stored activations per layer per microbatch, ×1.2 SwiGLU margin.
+def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *, flash: bool,
+                           recompute_scores: bool = False) -> float:
+    """Activations one layer keeps for its backward, per microbatch, as jaxtrain's layer
+    stores them (calibrated on the GPU compiler's buffer assignment, tests/gpu):
 
-    drop_scores: flash attention or selective core_attn recompute (no s×s tensors stored).
+    - the residual stream before attention and before the MLP, and the two norm outputs (the
+      norms themselves are recomputed from their inputs): 4 x 2·s·b·h, split over `tensor`
+      under sequence parallelism;
+    - q and the attention output: 2 x 2·s·b·h/t (H·E = h); k and v: 2 x 2·s·b·K·E per KV
+      shard; the flash kernel's fp32 log-sum-exp, 4·s·b·H/t;
+    - the SwiGLU's gate, up and their product (the down projection's input): 3 x 2·s·b·F/t
+      (silu is recomputed from gate);
+    - without a flash kernel (XLA attention, the CPU path) the s×s scores, Korthikanti's 5
+      bytes per score per head x1.2, calibrated on XLA:CPU, unless selective remat
+      recomputes them (`recompute_scores`).
+
+    2 bytes per element in bf16/fp16, 4 in float32.
     """
     m, t = cfg.model, layout.tensor
     s_local = seq_len / layout.context
-    sbh = s_local * layout.micro_batch * m.hidden_size
-    if layout.sequence_parallel or t == 1:
-        linear = 34.0 * sbh / t
-    else:
-        linear = sbh * (10.0 + 24.0 / t)
-    scores = 0.0 if drop_scores else 5.0 * m.num_heads * s_local * seq_len * layout.micro_batch / t
-    return (linear + scores) * SWIGLU_MARGIN * _act_scale(cfg)
+    sb = s_local * layout.micro_batch
+    stream = 4 * 2 * sb * m.hidden_size / (t if layout.sequence_parallel else 1)
+    kv_shards = t if m.num_kv_heads % t == 0 else 1
+    attention = (2 * 2 * sb * m.num_heads * m.resolved_head_dim / t
+                 + 2 * 2 * sb * m.num_kv_heads * m.resolved_head_dim / kv_shards)
+    lse = 4 * sb * m.num_heads / t if flash else 0.0  # fp32 whatever the dtype
+    mlp = 3 * 2 * sb * m.mlp_size / t
+    scores = 0.0 if flash or recompute_scores else (
+        5.0 * m.num_heads * s_local * seq_len * layout.micro_batch / t * SCORE_MARGIN)
+    return (stream + attention + mlp + scores) * _act_scale(cfg) + lse
 
 
 def layer_checkpoint_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
@@ -141,7 +161,8 @@ def stage_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bo
     tagged activations is counted in HFU but not subtracted here, so memory is an upper bound.
     """
     selective_attn = remat.granularity == "selective" and "core_attn" in remat.modules
-    full_layer = layer_activation_bytes(cfg, layout, seq_len, drop_scores=flash or selective_attn)
+    full_layer = layer_activation_bytes(cfg, layout, seq_len, flash=flash,
+                                        recompute_scores=selective_attn)
     if remat.granularity != "full":
         return Activations(full_layer, inflight, 0.0, inflight * full_layer)
     ckpt = layer_checkpoint_bytes(cfg, layout, seq_len)
@@ -174,9 +195,11 @@ def workspace_bytes(cfg: Config) -> float:
 
 
 def reserve_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
-    """Logits and workspace: fp32 logits, softmax, their gradient and the bf16 output (≈4 fp32
-    copies of s·b·V/t) plus a workspace that scales with the hidden size (6 GiB at h=8192)."""
+    """Logits and workspace: two fp32 copies of s·b·V/t (the logits and their gradient; the
+    softmax fuses into them: the GPU compiler's buffer assignment) plus a workspace for
+    cuBLAS/NCCL that scales with the hidden size (6 GiB at h=8192), which a compiled step's
+    static buffers never contain."""
     m = cfg.model
-    logits = 4 * 4.0 * (seq_len / layout.context) * layout.micro_batch \
+    logits = 2 * 4.0 * (seq_len / layout.context) * layout.micro_batch \
         * padded_vocab(m.vocab_size, layout.tensor) / layout.tensor
     return logits + workspace_bytes(cfg)
