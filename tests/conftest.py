@@ -13,3 +13,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def h100():
+    """`h100(n)`: n compile-only H100s (jaxtrain.targets). Tests that take it carry the
+    gpu_compile marker; without the gpu-compile extra they fail saying how to install it."""
+    from jaxtrain import targets
+    try:
+        targets.check_available()
+    except targets.TargetError as err:
+        pytest.fail(str(err))
+    cache = {}
+
+    def devices(n: int = 8):
+        if n not in cache:
+            cache[n] = targets.devices("h100", n)
+        return cache[n]
+    return devices

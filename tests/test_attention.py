@@ -146,3 +146,21 @@ def test_selection():
 def test_selection_errors(model, mesh, message):
     with pytest.raises(attention.AttentionConfigError, match=message):
         _on_mesh(_model(**model), _mesh(**mesh) if mesh else None)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--parallel.data=1", "--parallel.stage=2"],
+    ["--parallel.data=1", "--parallel.stage=2", "--parallel.tensor=2"],
+], ids=["stage2", "stage2_tensor2"])
+def test_pipelined_pallas_equals_pipelined_xla(layout):
+    """Kernel attention inside the pipeline's shard_map (the kernel's shard_map nests in the
+    executor's manual axes): the same loss and gradients as XLA attention on the same layout."""
+    pipelined = [*layout, "--model.num_layers=2", "--parallel.microbatches=2"]
+    n = 2 * (2 if "--parallel.tensor=2" in layout else 1)
+    want_loss, want_grads, params0 = _loss_and_grads(["--model.attention=xla", *pipelined],
+                                                     jax.devices()[:n])
+    loss, grads, _ = _loss_and_grads(["--model.attention=pallas", *pipelined],
+                                     jax.devices()[:n], params0)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

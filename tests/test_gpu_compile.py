@@ -1,0 +1,178 @@
+"""The real XLA:GPU compiler on compile-only H100s (jaxtrain.targets): what a GPU would run.
+
+Nothing executes. These read what only the GPU program has: which attention kernel runs at
+every pipeline depth, cuBLASLt FP8 GEMMs and their result types, each Pallas kernel's
+registers, spills and shared memory, async collectives, and the compiled memory against the
+ledger (which is calibrated here, not on XLA:CPU). Run with `-m gpu_compile` after installing
+the gpu-compile extra (README's third command).
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+from jaxtrain import fp8, gpu_program, hlo, sharding
+from jaxtrain.compile_step import compile_step
+from jaxtrain.config import load_config
+from jaxtrain.ledger import estimate, layout_from_config
+from jaxtrain.ledger.memory import workspace_bytes
+from jaxtrain.pallas_kernels import flash_attention
+from util import tiny_config
+
+pytestmark = pytest.mark.gpu_compile
+
+BF16 = ("--model.compute_dtype=bfloat16", "--model.vocab_size=512", "--train.global_batch=16")
+LAYOUTS = {
+    1: ("--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
+        "--parallel.sequence_parallel=true"),
+    2: ("--parallel.stage=2", "--parallel.data=2", "--parallel.tensor=2",
+        "--parallel.microbatches=4"),
+}
+FLASH_KERNELS = {"jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq"}
+CUDNN_TARGET = re.compile(r'custom_call_target="__cudnn\$fmha')
+
+
+def _compile(h100, *overrides, n=8, options=None):
+    cfg = tiny_config(*BF16, *overrides)
+    return compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(n)), extra_options=options)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "cudnn", "auto"])
+def test_every_attention_compiles_at_every_pipeline_depth(h100, impl, stage):
+    """The kernel each choice means on a GPU is the one in the program, also inside the
+    pipeline's shard_map (which crashed at trace time before the kernel's shard_map took the
+    context mesh)."""
+    text = _compile(h100, f"--model.attention={impl}", *LAYOUTS[stage]).text
+    pallas = gpu_program.pallas_kernel_names(text)
+    cudnn = bool(CUDNN_TARGET.search(text))
+    assert (pallas == FLASH_KERNELS) == (impl in ("pallas", "auto")), pallas
+    assert cudnn == (impl == "cudnn")
+
+
+def test_collectives_of_a_gpu_program_are_read_per_mesh_axis(h100):
+    """hlo reads GPU programs: async start/done pairs count once, combined (tuple) operands,
+    reduce-scatters, and the mesh-style replica groups of compile-only devices."""
+    out = _compile(h100, "--model.attention=xla", *LAYOUTS[1])
+    colls = hlo.collectives_from_text(out.text, out.mesh)
+    opcodes = [i.opcode for c in hlo.parsed(out.text)[0].values() for i in c.instrs]
+    starts = sum(o.removesuffix("-start") in hlo.KINDS for o in opcodes if o.endswith("-start"))
+    dones = sum(o.removesuffix("-done") in hlo.KINDS for o in opcodes if o.endswith("-done"))
+    sync = sum(o in hlo.KINDS for o in opcodes)
+    assert len(colls) == starts + sync and starts == dones > 0
+    assert all(c.axes is not None for c in colls), [c for c in colls if c.axes is None]
+    kinds = {(c.kind, c.axes) for c in colls}
+    assert ("reduce-scatter", ("fsdp",)) in kinds and ("all-gather", ("fsdp",)) in kinds
+    assert any(c.shape.startswith("((") for c in colls)  # a combined all-gather
+    assert "replica_groups=mesh[" in out.text
+
+
+# ----------------------------------------------------------------------------- FP8
+
+FP8 = ("--fp8.enabled=true", "--fp8.amax_history_len=16", "--model.attention=xla")
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}  # the cuBLAS path FP8 targets
+
+
+def _f8_gemms(text):
+    return [line for line in text.splitlines()
+            if 'custom_call_target="__cublas$lt$matmul$f8"' in line]
+
+
+def test_fp8_projections_are_cublaslt_gemms_that_write_the_compute_dtype(h100):
+    """Every projection's forward, dgrad and wgrad is one cuBLASLt FP8 GEMM with its scales
+    fused, writing bf16 (fp32 accumulation inside): no fp32 GEMM result, no cast kernel."""
+    text = _compile(h100, *FP8, "--parallel.data=2", "--parallel.tensor=2", n=4,
+                    options=NO_TRITON_GEMM).text
+    gemms = _f8_gemms(text)
+    assert len(gemms) == 3 * 7, len(gemms)  # one layer body: 7 projections x fwd/dgrad/wgrad
+    results = [re.search(r"= \((\w+)\[", g).group(1) for g in gemms]
+    assert set(results) == {"bf16"}, results
+
+
+def _projection_temps(fn, *args):
+    compiled = jax.jit(fn).lower(*args).compile(compiler_options=NO_TRITON_GEMM)
+    return compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
+
+
+def test_one_fp8_projection_holds_bf16_temporaries_plus_its_fp8_operands(h100):
+    """A 4096x8192x28672 projection's forward + backward: the FP8 step's temporaries are within
+    10% of the bf16 step's plus its FP8 operand copies (and the transposes cuBLASLt's layout
+    needs). An fp32 GEMM result with a separate cast kernel held 1040 MiB here, 480 now."""
+    sh = SingleDeviceSharding(h100(1)[0])
+    m, k, n = 4096, 8192, 28672
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sh)
+    w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=sh)
+    recipe = fp8.recipe_of(fp8.Fp8Config(enabled=True))
+    meta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        fp8.init_meta(recipe))
+    dims = (((1,), (0,)), ((), ()))
+
+    def fp8_step(x, w, meta):
+        return jax.grad(lambda *a: jnp.sum(jnp.square(fp8.fp8_dot_general(
+            a[0], a[1], dims, meta=a[2], cfg=recipe).astype(jnp.float32))),
+            argnums=(0, 1, 2))(x, w, meta)
+
+    def bf16_step(x, w):
+        return jax.grad(lambda x, w: jnp.sum(jnp.square((x @ w).astype(jnp.float32))),
+                        argnums=(0, 1))(x, w)
+    fp8_temps, text = _projection_temps(fp8_step, x, w, meta)
+    bf16_temps, _ = _projection_temps(bf16_step, x, w)
+    f8_buffers = sum(hlo.shape_bytes(s) for s in re.findall(
+        r"(f8e(?:4m3fn|5m2)\[[\d,]+\])\{[\d,]+\} ", text))
+    assert len(_f8_gemms(text)) == 3
+    assert fp8_temps <= 1.1 * (bf16_temps + f8_buffers), (fp8_temps, bf16_temps, f8_buffers)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@pytest.mark.parametrize("b,s,h,kv,d", [
+    (1, 4096, 32, 8, 128),   # Llama 3 8B on one GPU
+    (1, 8192, 8, 1, 128),    # Llama 3 70B per tensor shard at tensor=8
+    (2, 4096, 16, 16, 64),   # head dim 64, MHA
+])
+def test_flash_kernels_fit_an_h100(h100, tmp_path, b, s, h, kv, d):
+    """Forward and both backward kernels compile for sm_90a within the shared memory a block
+    may use, without register spills (ptxas on the kernels' PTX)."""
+    sh = SingleDeviceSharding(h100(1)[0])
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16, sharding=sh)
+    k = jax.ShapeDtypeStruct((b, s, kv, d), jnp.bfloat16, sharding=sh)
+    segment_ids = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sh)  # as training passes
+
+    def fwd_bwd(q, k, v, seg):
+        return jax.grad(lambda *a: jnp.sum(flash_attention(*a, seg, interpret=False).astype(
+            jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+    jax.jit(fwd_bwd).lower(q, k, k, segment_ids).compile(
+        compiler_options={"xla_dump_to": str(tmp_path)})
+    kernels = gpu_program.kernels(tmp_path, FLASH_KERNELS)
+    assert {x.name for x in kernels} == FLASH_KERNELS
+    for x in kernels:
+        assert x.shared_memory <= 232448, x
+        assert x.registers is not None and x.registers <= 255 and not x.spills, x
+
+
+# ----------------------------------------------------------------------------- the ledger
+
+RECIPES = {
+    # (recipe, devices, overrides): the ledger plans what was compiled
+    "llama70b_tp8_sp_fsdp8": ("configs/llama70b.py", 64, [
+        "--parallel.stage=1", "--parallel.virtual_stages=1", "--parallel.schedule=1f1b",
+        "--parallel.fsdp=8", "--parallel.data=1", "--parallel.zero1=false",
+        "--train.global_batch=64"]),
+    "llama70b_pipelined": ("configs/llama70b.py", 128, []),
+    "llama3_8b": ("configs/llama3_8b.py", 8, []),
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_compiled_memory_is_the_ledgers(h100, name):
+    """memory_analysis() of the step compiled for H100s within 10% of the ledger's total less
+    its cuBLAS/NCCL workspace (which a static buffer assignment never holds)."""
+    path, n, overrides = RECIPES[name]
+    cfg = load_config(path, overrides)
+    out = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(n)))
+    compiled = hlo.memory(out.compiled)["total_bytes"]
+    est = estimate(cfg, layout_from_config(cfg, n), "h100")
+    ledger = est.total_bytes - workspace_bytes(cfg)
+    assert abs(compiled / ledger - 1) <= 0.10, (compiled / 2**30, ledger / 2**30)
