@@ -316,8 +316,10 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_resume_mid_epoch_equals_the_uninterrupted_run_on_any_data_degree(mix_dirs, tmp_path):
-    """Train on a mixture at data=2 (fsdp=4) for 3 of 6 steps, resume at data=2 and at data=8:
+def test_resume_mid_epoch_equals_the_uninterrupted_run_on_any_data_degree(corpus, prepared_dir,
+                                                                          mix_dirs, tmp_path):
+    """Prepare, then train on a mixture (the jsonl + parquet + txt corpus and another directory,
+    one BPE tokenizer) at data=2 (fsdp=4) for 3 of 6 steps, resume at data=2 and at data=8:
     the same batches follow, so the losses are the uninterrupted run's (bit-exact on the same
     layout, to float summation order on the other)."""
     import shutil
@@ -325,9 +327,12 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run_on_any_data_degree(mix_di
     from jaxtrain import trainer
     from jaxtrain.checkpoint import Checkpointer
     from util import tiny_config
-    common = ("--data.source=prepared", f"--data.mixture=0.3 {mix_dirs['a']} 0.7 {mix_dirs['b']}",
-              "--data.eval_fraction=0", "--train.steps=6", "--checkpoint.every=100",
-              "--checkpoint.async_save=false")
+    other_dir = tmp_path / "other"
+    prepare(_pcfg(corpus, other_dir, inputs=(str(mix_dirs["b"].parent / "in_b"),)),
+            echo=lambda s: None, progress=False)
+    common = ("--data.source=prepared", f"--data.mixture=0.3 {prepared_dir} 0.7 {other_dir}",
+              f"--data.tokenizer={corpus['tokenizer']}", "--data.eval_fraction=0.1",
+              "--train.steps=6", "--checkpoint.every=100", "--checkpoint.async_save=false")
     two = ("--parallel.data=2", "--parallel.fsdp=4")
     straight, stopped, moved = tmp_path / "straight", tmp_path / "stopped", tmp_path / "moved"
     trainer.train(tiny_config(*common, *two, workdir=str(straight)))
@@ -343,3 +348,12 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run_on_any_data_degree(mix_di
     assert [same[s] for s in sorted(same)] == [want[s] for s in sorted(same)]
     np.testing.assert_allclose([other[s] for s in sorted(other)],
                                [want[s] for s in sorted(other)], rtol=1e-5)
+
+
+def test_train_py_refuses_bad_data_before_compiling(prepared_dir, capsys):
+    from jaxtrain import cli
+    code = cli.run(str(ROOT / "configs" / "tiny.py"),
+                   ["--data.source=prepared", f"--data.path={prepared_dir}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "was prepared with tokenizer" in err
+    assert "\n" not in err

@@ -16,8 +16,6 @@ import math
 import sys
 from typing import Sequence
 
-import grain
-
 
 def shares(weights: Sequence[str]) -> list[int]:
     """Exact integer proportions of decimal weights: ("0.3", "0.7") -> [3, 7]."""
@@ -28,8 +26,11 @@ def shares(weights: Sequence[str]) -> list[int]:
     return [i // g for i in ints]
 
 
-class Blend(grain.transforms.DatasetSelectionMap):
-    """Run position k -> (component, index within that component's own sequence stream)."""
+class Blend:
+    """Run position k -> (component, index within that component's own sequence stream).
+
+    grain's DatasetSelectionMap interface (len, getitem), not its subclass, so that importing
+    the data package (e.g. in prepare's worker processes) does not import grain."""
 
     def __init__(self, shares_: Sequence[int]):
         if not shares_ or min(shares_) <= 0:
