@@ -112,8 +112,9 @@ def main(argv=None):
         trainer.train(mix_cfg, log=lambda *_: None)
         rows = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
         step_ms = [1e3 * r["step_time_s"] for r in rows if "step_time_s" in r]
-        print(f"tiny model on the mixture, {shape} tokens/step: median {statistics.median(step_ms):.1f} "
-              f"ms/step, min {min(step_ms):.1f} over {len(step_ms)} logged steps")
+        print(f"tiny model on the mixture, {shape} tokens/step: median "
+              f"{statistics.median(step_ms):.1f} ms/step, min {min(step_ms):.1f} over "
+              f"{len(step_ms)} logged steps")
 
 
 if __name__ == "__main__":

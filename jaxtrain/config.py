@@ -332,8 +332,9 @@ def parse_mixture(text: str) -> list[tuple[str, str]]:
         try:
             w = float(weight)
         except ValueError:
-            raise ConfigError(f"data.mixture: {weight!r} (before {path}) is not a number; write "
-                              "weight/directory pairs, e.g. '0.3 /data/web 0.7 /data/code'") from None
+            raise ConfigError(f"data.mixture: {weight!r} (before {path}) is not a number; "
+                              "write weight/directory pairs, e.g. '0.3 /data/web 0.7 "
+                              "/data/code'") from None
         if not w >= 0 or w == float("inf"):
             raise ConfigError(f"data.mixture: the weight {weight} of {path} must be a finite "
                               "number >= 0")

@@ -194,7 +194,8 @@ def make_batches(cfg, split: str = "train", process_index: int = 0,
             f"windows of train.seq_len={cfg.train.seq_len}"
             f"{' (a mixture directory has none)' if empty else ''}, fewer than one batch of "
             f"train.global_batch={G}; add data (data.corpus_max_bytes, data.path), lower the "
-            "batch or sequence length" + (", or raise data.eval_fraction" if split == "eval" else ""))
+            "batch or sequence length" +
+            (", or raise data.eval_fraction" if split == "eval" else ""))
     seed = cfg.train.seed if split == "train" else _EVAL_SEED
     return BatchIterator([s for _, s in parts], mixture.shares([w for w, _ in parts]),
                          split=split, seed=seed, global_batch=G, process_index=process_index,

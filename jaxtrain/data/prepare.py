@@ -129,8 +129,9 @@ def _finished(out: pathlib.Path, k: int, plan: str, tok: Tokenizer) -> dict | No
     record = json.loads((out / record_name).read_text())
     if record.get("plan") != plan:
         raise _another_prepare(out)
-    complete = ((out / docs_name).is_file() and (out / tokens_name).is_file() and
-                (out / tokens_name).stat().st_size == record["num_tokens"] * tok.token_dtype.itemsize)
+    tokens = out / tokens_name
+    complete = ((out / docs_name).is_file() and tokens.is_file() and
+                tokens.stat().st_size == record["num_tokens"] * tok.token_dtype.itemsize)
     return record if complete else None
 
 

@@ -145,7 +145,8 @@ def read_piece(source: Source, piece: Piece, text_field: str,
         try:
             yield [(0, pathlib.Path(source.path).read_text(encoding="utf-8"))]
         except UnicodeDecodeError as e:
-            raise DataError(f"{source.path} is not UTF-8 text ({e}); convert or remove it") from None
+            raise DataError(f"{source.path} is not UTF-8 text ({e}); convert or remove "
+                            "it") from None
     elif source.kind == "jsonl":
         with open(source.path, "rb") as f:
             f.seek(piece.lo)
