@@ -123,11 +123,27 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    source: Literal["corpus", "text", "tokens"] = "corpus"
-    path: str = ""  # text: a file or folder of .txt; tokens: a .npy/.bin token file
+    source: Literal["corpus", "text", "tokens", "prepared"] = "corpus"
+    # text: a file or folder of .txt; tokens: a .npy/.bin token file; prepared: a directory
+    # written by `python -m jaxtrain.data prepare`
+    path: str = ""
+    # prepared: Megatron's blend instead of data.path, "0.3 DIR_A 0.7 DIR_B" (weight, directory
+    # pairs; the weights need not sum to 1)
+    mixture: str = ""
     tokenizer: str = "byte"  # "byte" or the path of a Hugging Face tokenizer.json
     eval_fraction: float = 0.02
     corpus_max_bytes: int = 8_000_000  # embedded corpus: how much of the stdlib to read
+
+
+@dataclasses.dataclass
+class PrepareConfig:
+    """`python -m jaxtrain.data prepare`: raw documents -> token shards (not part of Config)."""
+    inputs: tuple[str, ...] = ()  # files, folders or globs of .jsonl, .parquet and .txt
+    tokenizer: str = "byte"
+    out: str = ""
+    text_field: str = "text"  # the jsonl key / parquet column holding a document's text
+    workers: int = 0  # tokenizing processes; 0: one per CPU
+    shard_bytes: int = 1 << 27  # input text per shard (a shard is one unit of work and of resume)
 
 
 @dataclasses.dataclass
@@ -303,6 +319,56 @@ def parse_value(key: str, raw: str, tp) -> Any:
 
 # ----------------------------------------------------------------------------- validation
 
+def parse_mixture(text: str) -> list[tuple[str, str]]:
+    """`data.mixture` "0.3 A 0.7 B" (spaces or commas) -> [("0.3", "A"), ("0.7", "B")]: the
+    weights as written (exact decimals), each checked to be a number >= 0, their sum > 0."""
+    items = text.replace(",", " ").split()
+    if not items or len(items) % 2:
+        raise ConfigError(f"data.mixture={text!r}: expected weight/directory pairs, e.g. "
+                          "'0.3 /data/web 0.7 /data/code'")
+    pairs = list(zip(items[0::2], items[1::2]))
+    total = 0.0
+    for weight, path in pairs:
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ConfigError(f"data.mixture: {weight!r} (before {path}) is not a number; "
+                              "write weight/directory pairs, e.g. '0.3 /data/web 0.7 "
+                              "/data/code'") from None
+        if not w >= 0 or w == float("inf"):
+            raise ConfigError(f"data.mixture: the weight {weight} of {path} must be a finite "
+                              "number >= 0")
+        total += w
+    if not total > 0:
+        raise ConfigError(f"data.mixture={text!r}: the weights sum to {total:g}; give at least "
+                          "one directory a positive weight")
+    return pairs
+
+
+def validate_data(d: DataConfig) -> None:
+    if d.mixture:
+        _check(d.source == "prepared", f"data.mixture needs data.source=prepared (it is "
+               f"{d.source}); mixtures blend prepared directories")
+        _check(not d.path, "set data.path (one prepared directory) or data.mixture (several), "
+               "not both")
+        parse_mixture(d.mixture)
+    elif d.source == "prepared":
+        _check(bool(d.path), "data.source=prepared needs data.path (a directory written by "
+               "`python -m jaxtrain.data prepare`) or data.mixture")
+    else:
+        _check(d.source == "corpus" or d.path,
+               f"data.source={d.source} needs data.path (a file or folder)")
+
+
+def validate_prepare(p: PrepareConfig) -> None:
+    _check(bool(p.inputs), "prepare needs --input (files, folders or globs of .jsonl, .parquet "
+           "or .txt)")
+    _check(bool(p.out), "prepare needs --out DIR (where the shards and manifest go)")
+    _check(bool(p.text_field), "--text-field must name the jsonl key / parquet column")
+    _check(p.workers >= 0, f"--workers={p.workers} must be >= 0 (0: one per CPU)")
+    _check(p.shard_bytes >= 1, f"--shard-bytes={p.shard_bytes} must be positive")
+
+
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise ConfigError(msg)
@@ -353,8 +419,7 @@ def validate(cfg: Config) -> None:
     _check(t.log_every >= 1, "train.log_every must be >= 1")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
-    _check(cfg.data.source == "corpus" or cfg.data.path,
-           f"data.source={cfg.data.source} needs data.path (a file or folder)")
+    validate_data(cfg.data)
     _check(f.amax_history_len >= 1, "fp8.amax_history_len must be >= 1")
     _check(f.margin >= 0, "fp8.margin must be >= 0")
     for key, allowed in (("recipe", ("delayed", "current")), ("format", ("hybrid", "e4m3")),

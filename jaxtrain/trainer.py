@@ -84,6 +84,10 @@ def train(cfg: Config, *, log=print) -> dict:
     workdir = pathlib.Path(cfg.train.workdir)
     is_main = jax.process_index() == 0
     mesh = sharding.make_mesh(cfg.parallel)
+    # Data first: a bad tokenizer, directory or mixture fails before anything compiles.
+    train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())
+    eval_batches = (data_lib.make_batches(cfg, "eval", jax.process_index(), jax.process_count())
+                    if cfg.train.eval_every else None)
     if cfg.remat.policy == "auto":  # decided by compiling candidates (remat_sweep)
         from jaxtrain.remat_sweep import choose_policy
         cfg.remat = choose_policy(cfg, mesh)
@@ -91,14 +95,9 @@ def train(cfg: Config, *, log=print) -> dict:
     setup = step_lib.build(cfg, mesh)
     if mesh.shape["stage"] > 1 and is_main:
         log(pipeline_summary(cfg, mesh.shape["stage"]))
-    tokenizer = data_lib.make_tokenizer(cfg.data)
-    data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
     if is_main:
         write_run_info(workdir, cfg)
 
-    train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())
-    eval_batches = (data_lib.make_batches(cfg, "eval", jax.process_index(), jax.process_count())
-                    if cfg.train.eval_every else None)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
     latest = ckpt.latest_step() if cfg.checkpoint.resume else None
     if latest is not None:

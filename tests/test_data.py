@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import config, data
+from jaxtrain.data import documents
 from jaxtrain.ledger.memory import padded_vocab
 
 
@@ -219,13 +220,43 @@ def test_resume_from_saved_state():
     assert_batches_equal(take(fresh, 4), expected)
 
 
+def test_resume_under_another_global_batch_continues_the_sequence_stream():
+    """The position is counted in sequences: a global batch that divides it resumes exactly."""
+    it = data.make_batches(make_cfg(train__global_batch=4))
+    take(it, 3)
+    state = it.get_state()
+    assert state["sequences"] == 12
+    want = np.concatenate([b["inputs"] for b in take(it, 3)])  # sequences 12..23
+    half = data.make_batches(make_cfg(train__global_batch=2))
+    half.set_state(state)
+    np.testing.assert_array_equal(np.concatenate([b["inputs"] for b in take(half, 6)]), want)
+    wider = data.make_batches(make_cfg(train__global_batch=6))
+    wider.set_state(state)
+    np.testing.assert_array_equal(np.concatenate([b["inputs"] for b in take(wider, 2)]), want)
+
+
 def test_resume_rejects_other_config():
     it = data.make_batches(make_cfg())
     next(it)
     state = it.get_state()
-    other = data.make_batches(make_cfg(train__global_batch=8))
-    with pytest.raises(data.DataError, match="global_batch: saved 4, now 8"):
-        other.set_state(state)
+    with pytest.raises(data.DataError, match=r"4 sequences .*train.global_batch=8"):
+        data.make_batches(make_cfg(train__global_batch=8)).set_state(state)
+    with pytest.raises(data.DataError, match="seed: saved 0, now 1"):
+        data.make_batches(make_cfg(train__seed=1)).set_state(state)
+    with pytest.raises(data.DataError, match="seq_len: saved 32, now 16"):
+        data.make_batches(make_cfg(train__seq_len=16)).set_state(state)
+
+
+def test_resume_from_a_version_1_state():
+    """Checkpoints written before positions were counted in sequences still resume."""
+    it = data.make_batches(make_cfg())
+    take(it, 2)
+    want = next(it)
+    v1 = {"version": 1, "split": "train", "seed": 0, "global_batch": 4, "seq_len": 32,
+          "num_windows": it.streams[0].num_windows, "grain": {"next_index": 2}}
+    fresh = data.make_batches(make_cfg())
+    fresh.set_state(v1)
+    assert_batches_equal([next(fresh)], [want])
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -275,7 +306,7 @@ def test_eval_split_is_disjoint_and_stable(tmp_path):
     assert len(held | train) == 40
     # Membership depends only on a document's own key: adding documents moves none.
     write_folder(tmp_path, texts + [f"<<new{i:03d}>>" + "y" * 20 for i in range(30)])
-    data._documents_from_text.cache_clear()
+    documents._documents_from_text.cache_clear()
     assert held <= markers("eval") and not (held & markers("train"))
     # The eval iterator yields only held-out documents.
     batch_text = tok.decode(next(data.make_batches(cfg, "eval"))["inputs"].ravel())

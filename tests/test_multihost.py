@@ -6,7 +6,8 @@ The real trainer (`python train.py`) runs as two localhost processes joined by
 Cross-process collectives on CPU go through gloo, jax's default
 `jax_cpu_collectives_implementation`. Each process feeds only its half of every global batch
 (`data.make_batches(process_index, process_count)` + `make_array_from_process_local_data`),
-and process 0 writes metrics.jsonl.
+and process 0 writes metrics.jsonl. The data position in a checkpoint is global (sequences
+consumed), so the two-process run's checkpoint resumes in one process with the same batches.
 """
 import json
 import os
@@ -22,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
 # Every mesh axis spans the two processes' devices differently: data across processes, fsdp
 # and tensor inside each (device order: tensor fastest).
-ARGS = ["--config", "configs/tiny.py", "--train.steps=3", "--train.log_every=1",
+ARGS = ["--config", "configs/tiny.py", "--train.steps=6", "--train.log_every=1",
         "--train.eval_every=0", "--model.num_layers=2", "--train.seq_len=64",
         "--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2"]
 
@@ -42,9 +43,10 @@ def _env(devices: int, **extra) -> dict:
     return env
 
 
-def _launch(workdir: pathlib.Path, env: dict, log: pathlib.Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "train.py", *ARGS, f"--train.workdir={workdir}"],
-                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+def _launch(workdir: pathlib.Path, env: dict, log: pathlib.Path, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *ARGS, f"--train.workdir={workdir}",
+                             *extra], cwd=ROOT, env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
 
 
 def _wait(procs, logs) -> None:
@@ -70,7 +72,7 @@ def _losses(workdir: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one_and_resume_in_one(tmp_path):
     one, two = tmp_path / "one_process", tmp_path / "two_processes"
     logs = [tmp_path / "one.log"]
     _wait([_launch(one, _env(8), logs[0])], logs)
@@ -78,12 +80,21 @@ def test_two_processes_match_one(tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     procs = [_launch(two, _env(4, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES="2",
-                               JAX_PROCESS_ID=str(i)), logs[i]) for i in range(2)]
+                               JAX_PROCESS_ID=str(i)), logs[i], "--train.exit_interval=3")
+             for i in range(2)]
     _wait(procs, logs)
 
     run = json.loads((two / "run.json").read_text())
     assert run["process_count"] == 2 and run["n_devices"] == 8
     want, got = _losses(one), _losses(two)
-    assert want and sorted(got) == sorted(want)
-    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
+    assert sorted(got) == [s for s in sorted(want) if s <= 3] and max(got) == 3
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
+                               rtol=1e-5)
+
+    # The two processes' checkpoint at step 3, resumed by one process, feeds the same batches.
+    logs = [tmp_path / "resumed.log"]
+    _wait([_launch(two, _env(8), logs[0])], logs)
+    got = _losses(two)
+    assert {5, 6} <= set(got)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
                                rtol=1e-5)
