@@ -303,6 +303,12 @@ def parse_value(key: str, raw: str, tp) -> Any:
 
 # ----------------------------------------------------------------------------- validation
 
+# Also raised by fp8.recipe_of for configs built without validate().
+FP8_CURRENT_MARGIN = ("fp8.margin={margin} with fp8.recipe=current: Transformer Engine's current "
+                      "scaling has no margin (each tensor is scaled to its own amax); set "
+                      "fp8.margin=0 or use fp8.recipe=delayed")
+
+
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise ConfigError(msg)
@@ -357,6 +363,7 @@ def validate(cfg: Config) -> None:
            f"data.source={cfg.data.source} needs data.path (a file or folder)")
     _check(f.amax_history_len >= 1, "fp8.amax_history_len must be >= 1")
     _check(f.margin >= 0, "fp8.margin must be >= 0")
+    _check(f.recipe != "current" or f.margin == 0, FP8_CURRENT_MARGIN.format(margin=f.margin))
     for key, allowed in (("recipe", ("delayed", "current")), ("format", ("hybrid", "e4m3")),
                          ("amax_compute_algo", ("max", "most_recent"))):
         _check(getattr(f, key) in allowed,
