@@ -124,7 +124,7 @@ class _Config:
   block_k_bwd: int
   kv_len: Optional[int]  # true sequence length when the kernel sees a padded one, else None
   has_segments: bool
-  skip_blocks: bool  # loop over block_map spans (needs segment ids)
+  skip_blocks: bool  # loop over block_map schedules (needs segment ids)
   count_blocks: bool  # debug: each program also writes how many tiles it computed
   precision: lax.Precision  # of every in-kernel dot: DEFAULT is TF32 for fp32 on GPU
   num_warps: Optional[int]
