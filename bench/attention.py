@@ -3,12 +3,19 @@
     python bench/attention.py                      # GPU: seq 1k..16k, D=128, bf16
     python bench/attention.py --quick              # CPU smoke test (Pallas interpret mode)
     python bench/attention.py --kv-heads 2 --block-q 128 --block-k 64
+    python bench/attention.py --doc-lens 8192,2048,512,128   # packed documents: block skipping
 
 FLOP convention (FlashAttention-2's benchmark): a causal forward counts 4*B*S*S*H*D/2 (two matmuls,
 half the score matrix); the backward counts 2.5x the forward (five matmuls), so forward+backward
 counts 3.5x the forward (--fwd-bwd-factor changes this). "fwd+bwd" times one jitted
 jax.grad step, which runs the forward and the backward. Recompute inside the kernels is not
 counted. Also reported: max |difference| of output and gradients against XLA, where XLA fits.
+
+--doc-lens packs each row with documents of those lengths (segment ids 1, 2, ...) and reports
+the tiles (q block x kv block x head) the Pallas kernels compute with and without block
+skipping: counted by the kernels themselves off GPU (interpret mode, checked against the host
+block map), by the host block map on GPU, where both variants are also timed. `packed_documents`
+is the function other scripts (the GPU suite) call.
 """
 from __future__ import annotations
 
@@ -24,7 +31,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain.pallas_kernels import flash_attention  # noqa: E402
+from jaxtrain.pallas_kernels import block_counts, flash_attention  # noqa: E402
+from jaxtrain.pallas_kernels.flash_attention import _kernel_block_counts  # noqa: E402
 
 IMPLS = ("pallas", "cudnn", "xla")
 
@@ -124,6 +132,73 @@ def run(args):
   return rows, skipped
 
 
+def packed_segments(batch, seq, doc_len):
+  """[batch, seq] int32 ids of back-to-back documents of doc_len tokens (the last one cut)."""
+  return np.broadcast_to(np.arange(seq, dtype=np.int32) // doc_len + 1, (batch, seq)).copy()
+
+
+def packed_documents(seq_len=8192, doc_lens=(8192, 2048, 512, 128), *, tokens=16384, heads=16,
+                     kv_heads=None, head_dim=128, dtype="bfloat16", iters=10, warmup=2,
+                     blocks=None, time_kernels=None, count_kernels=None):
+  """Block skipping for packed documents: one row per document length with the tiles each
+  kernel computes (skip and dense: (fwd, dkv, dq)) and, with `time_kernels` (default: on
+  GPU), the median fwd+bwd ms of the skipping and the dense kernel. `count_kernels` (default:
+  off GPU) has the kernels count their tiles (debug counters) and checks the host count."""
+  on_gpu = jax.default_backend() == "gpu"
+  time_kernels = on_gpu if time_kernels is None else time_kernels
+  count_kernels = not on_gpu if count_kernels is None else count_kernels
+  kv_heads = heads if kv_heads is None else kv_heads
+  blocks = blocks or {}
+  B, S, H, K, D = max(1, tokens // seq_len), seq_len, heads, kv_heads, head_dim
+  rng = np.random.default_rng(0)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in
+                 ((B, S, H, D), (B, S, K, D), (B, S, K, D), (B, S, H, D)))
+  rows = []
+  for doc_len in doc_lens:
+    seg = packed_segments(B, S, doc_len)
+    row = dict(S=S, B=B, doc_len=doc_len,
+               skip=block_counts(q.shape, seg, **blocks),
+               dense=block_counts(q.shape, seg, skip_empty_blocks=False, **blocks))
+    if count_kernels:
+      order = ("block_q", "block_k", "block_q_bwd", "block_k_bwd")
+      counted = _kernel_block_counts(q, k, v, seg, blocks=tuple(blocks.get(n) for n in order))
+      if counted != row["skip"]:
+        raise AssertionError(f"kernel counters {counted} != host block map {row['skip']}")
+      row["counted_by"] = "kernels"
+    else:
+      row["counted_by"] = "host"
+    if time_kernels:
+      seg_j = jnp.asarray(seg)
+      for name, skip in (("skip_ms", True), ("dense_ms", False)):
+        attn = lambda q, k, v, skip=skip: flash_attention(q, k, v, seg_j, causal=True,
+                                                          skip_empty_blocks=skip, **blocks)
+        loss = lambda q, k, v, attn=attn: jnp.sum(attn(q, k, v).astype(jnp.float32) *
+                                                  do.astype(jnp.float32))
+        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        try:
+          row[name] = _time(fn, (q, k, v), warmup, iters)[1] * 1e3
+        except Exception as e:  # noqa: BLE001 - a failed cell is reported, not fatal
+          row[name] = _short_error(e)
+    rows.append(row)
+    print(f"  done doc_len {doc_len}", file=sys.stderr, flush=True)
+  return rows
+
+
+def print_packed_table(rows, heads, head_dim, dtype):
+  print(f"\nPacked documents, causal, heads {heads}, head_dim {head_dim}, {dtype}; tiles = "
+        "(q block x kv block x head) per kernel, fwd / dK/dV / dQ; device "
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}\n")
+  print("| seq | batch | doc len | tiles skipping | tiles dense | computed | counted by | "
+        "fwd+bwd skip ms | fwd+bwd dense ms |")
+  print("|---:|---:|---:|---|---|---:|---|---:|---:|")
+  for r in rows:
+    frac = sum(r["skip"]) / sum(r["dense"])
+    ms = lambda x: "-" if x is None else (x if isinstance(x, str) else f"{x:.3f}")
+    print(f"| {r['S']} | {r['B']} | {r['doc_len']} | {' / '.join(map(str, r['skip']))} | "
+          f"{' / '.join(map(str, r['dense']))} | {frac:.1%} | {r['counted_by']} | "
+          f"{ms(r.get('skip_ms'))} | {ms(r.get('dense_ms'))} |")
+
+
 def _cell(value):
   if value is None:
     return "-"
@@ -169,6 +244,8 @@ def parse_args(argv=None):
                  help="compare against XLA up to this sequence length")
   for name in ("block-q", "block-k", "block-q-bwd", "block-k-bwd"):
     p.add_argument(f"--{name}", type=int, default=None, help="Pallas tile size (default: auto)")
+  p.add_argument("--doc-lens", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                 help="packed-document lengths: report block skipping instead (one --seq-lens)")
   p.add_argument("--quick", action="store_true",
                  help="tiny shapes and few iterations (CPU smoke test in interpret mode)")
   args = p.parse_args(argv)
@@ -186,6 +263,15 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.doc_lens:
+    blocks = {n: getattr(args, n) for n in ("block_q", "block_k", "block_q_bwd", "block_k_bwd")
+              if getattr(args, n) is not None}
+    rows = packed_documents(args.seq_lens[0], args.doc_lens, tokens=args.tokens,
+                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                            dtype=args.dtype, iters=args.iters, warmup=args.warmup,
+                            blocks=blocks)
+    print_packed_table(rows, args.heads, args.head_dim, args.dtype)
+    return
   rows, skipped = run(args)
   print_table(args, rows, skipped)
 

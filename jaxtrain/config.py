@@ -369,6 +369,12 @@ def validate_prepare(p: PrepareConfig) -> None:
     _check(p.shard_bytes >= 1, f"--shard-bytes={p.shard_bytes} must be positive")
 
 
+# Also raised by fp8.recipe_of for configs built without validate().
+FP8_CURRENT_MARGIN = ("fp8.margin={margin} with fp8.recipe=current: Transformer Engine's current "
+                      "scaling has no margin (each tensor is scaled to its own amax); set "
+                      "fp8.margin=0 or use fp8.recipe=delayed")
+
+
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise ConfigError(msg)
@@ -422,6 +428,7 @@ def validate(cfg: Config) -> None:
     validate_data(cfg.data)
     _check(f.amax_history_len >= 1, "fp8.amax_history_len must be >= 1")
     _check(f.margin >= 0, "fp8.margin must be >= 0")
+    _check(f.recipe != "current" or f.margin == 0, FP8_CURRENT_MARGIN.format(margin=f.margin))
     for key, allowed in (("recipe", ("delayed", "current")), ("format", ("hybrid", "e4m3")),
                          ("amax_compute_algo", ("max", "most_recent"))):
         _check(getattr(f, key) in allowed,

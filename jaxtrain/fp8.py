@@ -8,15 +8,22 @@ recent amax, keep the old scale on a zero/non-finite amax, clamp an infinite sca
 roll: new[i] = old[i+1], new[L-1] = old[0], new[0] = 0). A step quantizes with the scale computed
 at the end of the previous step (the one-step delay of delayed scaling).
 
+An amax is TE's: max |x| reduced from 0 with fmaxf, so NaN entries are skipped (an all-NaN or
+empty tensor records 0) and an inf is recorded (its window then keeps the old scale). Current
+scaling is TE's too: the scale comes from the tensor's own amax, 1 when that amax is 0 or inf,
+and no margin (`margin > 0` with `recipe=current` is refused).
+
 The amaxes are observed inside the matmul, the output-gradient one only in the backward pass, so
 they leave through the cotangent of `meta` (flax's "overwrite with gradient" pattern). That
 cotangent is an *observation*, not a new meta, so that sums JAX makes when a meta is used more
 than once stay decodable: per role `scale` holds a use count and `amax_history[0]` the summed amax.
 `apply_meta_update` divides one by the other: exact for repeated identical uses (a shared op on
 the same data, remat), robust to scaling the whole gradient (microbatch averaging), and the mean
-for different data. For an exact max over microbatches, combine their meta gradients with
-`combine_meta_grads` or feed the microbatches slices of `replicate_meta(meta, n)`; reduce
-per-replica cotangents stacked on an axis with `max_meta_grads`.
+for different data. TE records the max there; a sum cannot carry a max, so to share one meta
+between matmuls that see different tensors give each its own slice of `replicate_meta(meta, n)`
+(its cotangents max-combine). For an exact max over microbatches, combine their meta gradients
+with `combine_meta_grads` or use `replicate_meta` likewise; reduce per-replica cotangents stacked
+on an axis with `max_meta_grads`. All of these skip NaN as fmaxf does.
 """
 from __future__ import annotations
 
@@ -28,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.config import ConfigError, Fp8Config
 from jaxtrain.compat import varying_axes
+from jaxtrain.config import FP8_CURRENT_MARGIN, ConfigError, Fp8Config
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -92,6 +99,8 @@ def recipe_of(cfg: Fp8Config | Recipe) -> Recipe:
                           "choose max or most_recent")
     if cfg.amax_history_len < 1 or cfg.margin < 0:
         raise ConfigError("fp8.amax_history_len must be >= 1 and fp8.margin >= 0")
+    if cfg.recipe == "current" and cfg.margin:
+        raise ConfigError(FP8_CURRENT_MARGIN.format(margin=cfg.margin))
     bwd = E5M2 if cfg.format == "hybrid" else E4M3
     return Recipe(cfg.recipe == "current", E4M3, bwd, int(cfg.margin), cfg.amax_compute_algo,
                   int(cfg.amax_history_len))
@@ -147,8 +156,16 @@ def quantize(x, scale, q_dtype) -> jax.Array:
 
 
 def _amax(x) -> jax.Array:
-    # abs and max are exact in any float dtype: reduce before the f32 cast.
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    """max |x| as TE's cast kernels reduce it: fmaxf from 0, so NaN entries are skipped and an
+    empty or all-NaN tensor gives 0 (jnp.max would make one NaN the whole tensor's amax)."""
+    a = jnp.abs(x)  # abs and max are exact in any float dtype: reduce before the f32 cast
+    return jnp.max(jnp.where(jnp.isnan(a), jnp.zeros((), a.dtype), a), initial=0).astype(
+        jnp.float32)
+
+
+def _drop_nan(a):
+    # fmaxf semantics for the reductions below: a NaN observation counts as 0.
+    return jnp.where(jnp.isnan(a), 0.0, a)
 
 
 # ----------------------------------------------------------------------------- the GEMMs
@@ -208,12 +225,15 @@ class _Static(NamedTuple):
     out_dtype: Any
     lhs_dtype: Any
     rhs_dtype: Any
+    lhs_varying: frozenset  # manual (shard_map) axes the operands vary over: their gradients'
+    rhs_varying: frozenset
 
 
 def _step_scale(recipe: Recipe, amax, role: TensorMeta, q_dtype):
-    """(scale, scale_inv) this step: the stored ones, or from the tensor itself (current)."""
+    """(scale, scale_inv) this step: the stored ones, or from the tensor itself (current: TE's
+    compute_scale_from_amax, which falls back to 1, not to a stored scale, and has no margin)."""
     if recipe.current:
-        scale = compute_scale(amax, role.scale, fp8_max(q_dtype), recipe.margin)
+        scale = compute_scale(amax, jnp.ones((), jnp.float32), fp8_max(q_dtype))
         return scale, 1.0 / scale
     return role.scale, role.scale_inv
 
@@ -245,19 +265,23 @@ def _fp8_bwd(st: _Static, res, g):
     length = meta.g.amax_history.shape[-1]
     meta_ct = Fp8Meta(_observation(amax_x, length), _observation(amax_w, length),
                       _observation(amax_g, length))
-    meta_ct = jax.tree.map(_match_manual_axes, meta_ct, meta)
-    return dx, dw, meta_ct
+    meta_ct = jax.tree.map(lambda ct, m: _match_manual_axes(ct, varying_axes(m), jax.lax.pmax),
+                           meta_ct, meta)
+    return (_match_manual_axes(dx, st.lhs_varying, jax.lax.psum),
+            _match_manual_axes(dw, st.rhs_varying, jax.lax.psum), meta_ct)
 
 
-def _match_manual_axes(ct, primal):
-    """Inside shard_map a cotangent must vary over the manual axes its primal varies over: an
-    observation is max-reduced over axes only it varies over (TE's amax all-reduce; one count
-    per observation, so the max keeps the encoding) and marked varying over the others."""
-    extra = varying_axes(ct) - varying_axes(primal)
-    missing = varying_axes(primal) - varying_axes(ct)
+def _match_manual_axes(ct, primal_varying: frozenset, reduce):
+    """Inside shard_map a cotangent must vary over exactly the manual axes its primal varies
+    over. Over axes only the cotangent varies over it is reduced: gradients are psum'd, as
+    autodiff transposes the implicit broadcast of an operand that is the same on every device
+    (a replicated weight); observations are pmax'd (TE's amax all-reduce; one count per
+    observation, so the max keeps the encoding). Over the others it is marked varying."""
+    extra = varying_axes(ct) - primal_varying
+    missing = primal_varying - varying_axes(ct)
     if extra:
-        ct = jax.lax.pmax(ct, tuple(extra))
-    return jax.lax.pcast(ct, tuple(missing), to="varying") if missing else ct
+        ct = reduce(ct, tuple(sorted(extra)))
+    return jax.lax.pcast(ct, tuple(sorted(missing)), to="varying") if missing else ct
 
 
 _fp8_dot = jax.custom_vjp(lambda st, lhs, rhs, meta: _fp8_fwd(st, lhs, rhs, meta)[0],
@@ -313,7 +337,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     dimension_numbers = _normalize_dimension_numbers(dimension_numbers)
     _check(lhs, rhs, dimension_numbers, meta, name)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    st = _Static(dimension_numbers, recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+    st = _Static(dimension_numbers, recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
+                 varying_axes(lhs), varying_axes(rhs))
     meta = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), meta)
     return _fp8_dot(st, lhs, rhs, meta)
 
@@ -324,7 +349,7 @@ def _decode(obs: TensorMeta):
     """(amax, used) from an observation that JAX may have summed or the trainer rescaled."""
     count = obs.scale
     amax = obs.amax_history[..., 0] / jnp.where(count > 0, count, 1.0)
-    return amax, count > 0
+    return _drop_nan(amax), count > 0
 
 
 def _encode(amax, used, length) -> TensorMeta:
@@ -336,8 +361,8 @@ def _encode(amax, used, length) -> TensorMeta:
 
 def _update_role(old: TensorMeta, obs: TensorMeta, q_dtype, recipe: Recipe) -> TensorMeta:
     amax, used = _decode(obs)
-    # Slot 0 is the accumulator; jnp.maximum keeps a NaN amax (TE records it too).
-    history = old.amax_history.at[..., 0].set(jnp.maximum(old.amax_history[..., 0], amax))
+    # Slot 0 is the accumulator; fmax, as TE's fmaxf, never lets a NaN in.
+    history = old.amax_history.at[..., 0].set(jnp.fmax(old.amax_history[..., 0], amax))
     new_history, new_scale = amax_and_scale_update(history, old.scale, fp8_max(q_dtype),
                                                    recipe.margin, recipe.algo)
     return TensorMeta(jnp.where(used, new_scale, old.scale),

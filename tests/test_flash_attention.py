@@ -8,11 +8,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxtrain.pallas_kernels import FlashAttentionError, flash_attention, reference_attention
+from jaxtrain.pallas_kernels import (FlashAttentionError, block_counts, flash_attention,
+                                     reference_attention)
+from jaxtrain.pallas_kernels.flash_attention import _kernel_block_counts
 
 
 def _inputs(seed, B, S, H, K, D, dtype=jnp.float32):
@@ -207,9 +210,189 @@ def _arr(*shape, dtype=np.float32):
          "block_q=24 must be a power of two >= 16"),
         ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 2, 16)), {"block_k_bwd": 8},
          "block_k_bwd=8 must be a power of two >= 16"),
+        # Half-given pairs: (None, kv) used to run unmasked, (q, None) to raise AttributeError.
+        ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 2, 16),
+          (None, _arr(1, 32, dtype=np.int32))), {}, "got None for q_segment_ids; pass both"),
+        ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 2, 16),
+          (_arr(1, 32, dtype=np.int32), None)), {}, "got None for kv_segment_ids; pass both"),
+        # int64 ids 0 and 2**32 would become one document once jax truncates them to int32.
+        ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 2, 16),
+          np.array([[0] * 16 + [2 ** 32] * 16], np.int64)), {}, "outside int32"),
+        ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 2, 16)), {"precision": "int8"},
+         "precision='int8' is not a jax.lax.Precision"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(args, kwargs, message):
   with pytest.raises(FlashAttentionError, match=message):
     flash_attention(*args, **kwargs)
   assert issubclass(FlashAttentionError, ValueError)
+
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+
+def test_empty_batch_or_sequence_returns_empty_arrays():
+  for B, S in ((0, 32), (2, 0)):
+    q, k, v, do = _inputs(7, B, S, 4, 2, 16)
+    seg = np.zeros((B, S), np.int32)
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, seg), q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert [g.shape for g in vjp(do)] == [q.shape, k.shape, v.shape]
+
+
+def test_second_derivatives_and_jvp_raise_clear_errors():
+  q, k, v, _ = _inputs(8, 1, 32, 2, 1, 16)
+  attn = lambda q: jnp.sum(flash_attention(q, k, v, block_q=16, block_k=16) ** 2)
+  with pytest.raises(FlashAttentionError, match="no second derivative"):
+    jax.grad(lambda q: jnp.sum(jax.grad(attn)(q)))(q)
+  with pytest.raises(FlashAttentionError, match="no second derivative"):
+    jax.jvp(jax.grad(attn), (q,), (q,))  # a Hessian-vector product
+  with pytest.raises(TypeError, match="forward-mode"):
+    jax.jvp(attn, (q,), (q,))
+
+
+def _kernel_dot_precisions(jaxpr, found=None):
+  """{pallas kernel name: [precision of each dot_general in it]} anywhere in `jaxpr`."""
+  found = {} if found is None else found
+
+  def dots(inner):
+    out = []
+    for eqn in inner.eqns:
+      if eqn.primitive.name == "dot_general":
+        out.append(eqn.params["precision"])
+      for param in eqn.params.values():
+        sub = getattr(param, "jaxpr", param)
+        out += dots(sub) if hasattr(sub, "eqns") else []
+    return out
+
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found[str(eqn.params["name"])] = dots(getattr(eqn.params["jaxpr"], "jaxpr",
+                                                    eqn.params["jaxpr"]))
+      continue
+    for param in eqn.params.values():
+      sub = getattr(param, "jaxpr", param)
+      if hasattr(sub, "eqns"):
+        _kernel_dot_precisions(sub, found)
+  return found
+
+
+@pytest.mark.parametrize("precision, want", [
+    (None, lax.Precision.DEFAULT),  # jax's default: TF32 for fp32 dots in Triton on GPU
+    (lax.Precision.HIGHEST, lax.Precision.HIGHEST),  # IEEE fp32
+])
+def test_kernel_dots_carry_the_requested_precision(precision, want):
+  q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 32, 1, 16), jnp.float32)
+  loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, precision=precision, block_q=16,
+                                                 block_k=16, block_q_bwd=16, block_k_bwd=16))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
+  found = _kernel_dot_precisions(jaxpr)
+  assert sorted(found) == ["jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq",
+                           "jaxtrain_flash_fwd"] and all(found.values()), found
+  assert all(p == (want, want) for dots in found.values() for p in dots), found
+
+
+def test_int64_ids_are_compared_in_their_own_dtype_with_x64():
+  B, S, H, K, D = 1, 32, 2, 1, 16
+  q, k, v, _ = _inputs(9, B, S, H, K, D)
+  with jax.enable_x64(True):
+    seg = jnp.asarray([[0] * 16 + [2 ** 32] * 16], jnp.int64)
+    got = flash_attention(q, k, v, seg, block_q=16, block_k=16)
+    want = reference_attention(q, k, v, seg)
+  unsegmented = reference_attention(q, k, v)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  assert float(jnp.max(jnp.abs(want - unsegmented))) > 0.1  # two documents, not one
+
+
+# ----------------------------------------------------------------------------- block skipping
+
+
+def _documents(B, S, lengths, pad=0, shuffle=False, seed=0):
+  """[B, S] int64 ids (numpy, as np.cumsum gives them) of documents of random lengths in
+  `lengths`, then `pad` tokens of id 0 (data.py's padding); `shuffle` permutes the ids."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(B):
+    ids, doc = [], 1
+    while len(ids) < S - pad:
+      ids += [doc] * int(rng.choice(lengths))
+      doc += 1
+    row = np.array(ids[:S - pad] + [0] * pad, np.int64)
+    if shuffle:
+      row = rng.permutation(doc)[row]
+    rows.append(row)
+  return np.stack(rows)
+
+
+_BLOCKS = dict(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
+
+
+@pytest.mark.parametrize("causal, S, kv_heads, separate", [
+    (True, 72, 2, False),  # GQA 4, a ragged length (padded to 96), data.py-style 0 padding
+    (False, 64, 1, True),  # MQA, non-causal, separate q/kv ids in shuffled order
+])
+def test_block_skipping_equals_the_unskipped_kernel(causal, S, kv_heads, separate):
+  B, H, D = 2, 8, 16
+  q, k, v, do = _inputs(10, B, S, H, kv_heads, D)
+  q_seg = _documents(B, S, (5, 9, 20, 33), pad=7, shuffle=separate)
+  seg = (q_seg, _documents(B, S, (5, 9, 20, 33), pad=7, shuffle=True, seed=1)) if separate \
+      else q_seg
+  run = lambda skip: [np.asarray(x) for x in _value_and_grads(
+      lambda q, k, v: flash_attention(q, k, v, seg, causal=causal, skip_empty_blocks=skip,
+                                      **_BLOCKS), q, k, v, do)]
+  skipped, dense = run(True), run(False)
+  for a, b in zip(skipped, dense):
+    np.testing.assert_array_equal(a, b)  # skipped tiles add exact zeros in the dense kernel
+  ref = lambda q, k, v: reference_attention(q, k, v, seg, causal=causal)
+  errors = _max_errors(lambda q, k, v: flash_attention(q, k, v, seg, causal=causal, **_BLOCKS),
+                       ref, q, k, v, do)
+  assert max(errors) < 1e-5, errors
+  # The kernels' own counters agree with the host block map, and skipping computed fewer tiles.
+  blocks = tuple(_BLOCKS[n] for n in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"))
+  counted = _kernel_block_counts(q, k, v, seg, causal=causal, blocks=blocks)
+  assert counted == block_counts(q.shape, seg, causal=causal, **_BLOCKS)
+  dense_count = block_counts(q.shape, seg, causal=causal, skip_empty_blocks=False,
+                             **_BLOCKS)
+  assert dense_count == _kernel_block_counts(q, k, v, seg, causal=causal, blocks=blocks,
+                                             skip_empty_blocks=False)
+  assert all(a < b for a, b in zip(counted, dense_count)), (counted, dense_count)
+
+
+def test_block_counts_fall_as_documents_get_shorter():
+  B, S, H, K = 2, 1024, 8, 2
+  blocks = dict(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)
+  counts = [block_counts((B, S, H, 64), np.repeat(np.arange(S // n), n)[None].repeat(B, 0),
+                         **blocks) for n in (1024, 512, 256, 128, 64)]
+  for longer, shorter in zip(counts, counts[1:]):
+    assert all(s < l for s, l in zip(shorter, longer)), counts
+  # Block-aligned documents of n tokens: (S / n) causal triangles of n / 64 blocks each.
+  for n, c in zip((1024, 512, 256, 128, 64), counts):
+    m = n // 64
+    assert c.fwd == c.dq == c.dkv == B * H * (S // n) * m * (m + 1) // 2
+  assert counts[0] == block_counts((B, S, H, 64), None, **blocks)  # one document: causal only
+
+
+def test_packed_documents_never_read_other_documents_blocks():
+  # Poison what skipping must never read, as the causal test does: with two documents of 32
+  # tokens and blocks of 16, document 1's q blocks skip document 0's kv blocks (forward, dQ)
+  # and document 0's kv blocks skip document 1's q blocks (dK/dV, which causal alone visits).
+  B, S, H, K, D = 1, 64, 2, 1, 16
+  q, k, v, do = _inputs(11, B, S, H, K, D)
+  seg = jnp.asarray([[0] * 32 + [1] * 32], jnp.int32)
+  finite = lambda x: bool(np.all(np.isfinite(x)))
+
+  def run(skip, *qkv):
+    attn = lambda q, k, v: flash_attention(q, k, v, seg, causal=True, skip_empty_blocks=skip,
+                                           block_q=16, block_k=16, block_q_bwd=16,
+                                           block_k_bwd=16)
+    return [np.asarray(x) for x in _value_and_grads(attn, *qkv, do)]
+
+  out, dq, _, _ = run(True, q, k, v.at[:, :32].set(jnp.nan))
+  assert finite(out[:, 32:]) and finite(dq[:, 32:]) and not finite(out[:, :32])
+  _, _, dk, dv = run(True, q.at[:, 32:].set(jnp.nan), k, v)
+  assert finite(dk[:, :32]) and finite(dv[:, :32]) and not finite(dk[:, 32:])
+  # Without skipping the masked tiles are computed, and 0 * NaN reaches the outputs.
+  out, _, _, _ = run(False, q, k, v.at[:, :32].set(jnp.nan))
+  assert not finite(out[:, 32:])

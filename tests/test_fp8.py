@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import flax.linen as nn
 from flax.linen import fp8_ops
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import fp8
 from jaxtrain.config import ConfigError, Fp8Config
@@ -482,3 +483,142 @@ def test_plugs_into_flax_dense_general():
     np.testing.assert_allclose(metas["meta"].w.scale, w_scale, rtol=1e-6)
     with pytest.raises(fp8.Fp8Error, match="q_proj.*N=24"):
         _Fp8DenseGeneral((24,), cfg, name="q_proj").init(jax.random.key(0), x)
+
+
+# ----------------------------------------------------------------------------- edge cases vs TE
+
+DN_2D = (((1,), (0,)), ((), ()))
+
+
+def test_nan_entries_are_skipped_as_te_cast_kernels_skip_them():
+    # History 4, a gradient of amax 4, then one of 8 with a NaN: TE's fmaxf reductions record
+    # [0, 0, 4, 8] and scale 57344 / 8 = 7168 (a NaN amax would have kept 14336).
+    cfg = cfg_of()
+    x, w = normal(20, (16, 32)), normal(21, (32, 16), 0.1)
+    grads = grads_fn(cfg, DN_2D)
+    meta = fp8.init_meta(cfg)
+    meta = update(meta, grads(x, w, meta, jnp.full((16, 16), 4.0))[2], cfg)
+    dy = jnp.ones((16, 16)).at[3, 5].set(8.0).at[7, 1].set(jnp.nan)
+    meta = update(meta, grads(x, w, meta, dy)[2], cfg)
+    np.testing.assert_array_equal(meta.g.amax_history, [0.0, 0.0, 4.0, 8.0])
+    assert float(meta.g.scale) == 7168.0
+    # An activation with a NaN records the finite max; an all-NaN one records 0 (scale kept).
+    mg = grads(x.at[0, 0].set(jnp.nan), w, meta, dy)[2]
+    assert float(mg.x.amax_history[0]) == float(jnp.max(jnp.abs(x.at[0, 0].set(0.0))))
+    mg = grads(jnp.full((16, 32), jnp.nan), w, meta, dy)[2]
+    assert float(mg.x.amax_history[0]) == 0.0 and float(mg.x.scale) == 1.0
+    assert float(update(meta, mg, cfg).x.scale) == float(meta.x.scale)
+
+
+def test_meta_reductions_skip_a_nan_replica():
+    obs = lambda *amaxes: fp8.Fp8Meta(*(fp8._observation(jnp.float32(a), 4) for a in amaxes))
+    replicas = [obs(1.0, 2.0, 3.0), obs(np.nan, 5.0, np.nan), obs(4.0, np.nan, 0.5)]
+    want = [4.0, 5.0, 3.0]
+    check = lambda m: [float(r.amax_history[0] / r.scale) for r in (m.x, m.w, m.g)] == want
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *replicas)
+    assert check(jax.jit(fp8.max_meta_grads)(stacked))
+    combine = jax.jit(fp8.combine_meta_grads)
+    assert check(combine(combine(replicas[0], replicas[1]), replicas[2]))
+    assert check(jax.jit(fp8.add_grads)(combine(replicas[0], replicas[1]), replicas[2]))
+    mesh = jax.make_mesh((3,), ("r",), devices=jax.devices()[:3])
+    reduce = jax.shard_map(lambda m: fp8.all_reduce_grads(jax.tree.map(lambda a: a[0], m), "r"),
+                           mesh=mesh, in_specs=P("r"), out_specs=P())
+    assert check(jax.jit(reduce)(jax.device_put(stacked, NamedSharding(mesh, P("r")))))
+    # And the update itself: a NaN observation never enters the history.
+    cfg = cfg_of()
+    new = update(fp8.init_meta(cfg), replicas[1], cfg)
+    np.testing.assert_array_equal(new.x.amax_history, 0.0)
+    assert float(new.x.scale) == 1.0
+
+
+def test_current_scaling_has_no_margin_like_te():
+    # Amax 1 and a value of 3e-5: TE scales by 448 and 3e-5 * 448 rounds to 7 * 2**-9 in E4M3,
+    # which is 2**-15 = 3.0518e-05 back (a margin of 2 would have given 3.4877e-05).
+    cfg = cfg_of(recipe="current")
+    x = jnp.zeros((16, 16)).at[0, 0].set(1.0).at[0, 1].set(3e-5)
+    y = forward(x, jnp.eye(16), DN_2D, fp8.init_meta(cfg), cfg)
+    np.testing.assert_allclose(y[0, :2], [1.0, 2.0 ** -15], rtol=1e-6)  # 1/448 rounds in f32
+    with pytest.raises(ConfigError, match="fp8.margin=2 with fp8.recipe=current"):
+        fp8.recipe_of(cfg_of(recipe="current", margin=2))
+    from jaxtrain.config import Config
+    full = Config()
+    full.fp8 = cfg_of(recipe="current", margin=2)
+    with pytest.raises(ConfigError, match="current scaling has no margin"):
+        full.validate()
+
+
+def test_current_scaling_with_an_inf_amax_uses_scale_one_like_te():
+    # The stored scale (1e-3) would flush 0.5 to zero in E4M3; TE's fallback scale 1 keeps it.
+    cfg = cfg_of(recipe="current")
+    meta = fp8.init_meta(cfg)
+    meta = meta.replace(x=meta.x.replace(scale=jnp.float32(1e-3), scale_inv=jnp.float32(1e3)))
+    x = jnp.full((16, 16), 0.5).at[0, 0].set(jnp.inf)
+    y = forward(x, jnp.eye(16), DN_2D, meta, cfg)
+    np.testing.assert_array_equal(y[1:], 0.5)
+    np.testing.assert_allclose(y[0, 0], E4M3_MAX, rtol=1e-6)  # inf saturates at scale 1
+
+
+def test_shared_meta_records_the_mean_and_replicate_meta_the_max():
+    # One meta for two matmuls whose inputs have amax 1 and 4: JAX sums the two observations,
+    # which decode to the mean (2.5, docs/design.md section 8); TE records the max (4), which
+    # giving each matmul its own slice of replicate_meta reproduces.
+    cfg = cfg_of()
+    w = normal(22, (32, 16), 0.1)
+    x1 = jnp.zeros((16, 32)).at[0, 0].set(1.0)
+    x2 = jnp.zeros((16, 32)).at[0, 0].set(4.0)
+    op = lambda x, m: jnp.sum(fp8.fp8_dot_general(x, w, DN_2D, meta=m, cfg=cfg))
+    shared = lambda m: op(x1, m) + op(x2, m)
+
+    def replicated(m):
+        m2 = fp8.replicate_meta(m, 2)
+        return op(x1, jax.tree.map(lambda a: a[0], m2)) + op(x2, jax.tree.map(lambda a: a[1], m2))
+    meta = fp8.init_meta(cfg)
+    for loss, amax in ((shared, 2.5), (replicated, 4.0)):
+        new = update(meta, jax.jit(jax.grad(loss))(meta), cfg)
+        assert float(new.x.amax_history[-1]) == amax
+        assert float(new.x.scale) == div32(E4M3_MAX, amax)
+
+
+def _sharded_grads(x_spec, w_spec, x, w, dy, meta, cfg):
+    mesh = jax.make_mesh((8,), ("d",))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+
+    def loss(x, w, meta, dy):
+        def local(x, w, meta, dy):
+            y = fp8.fp8_dot_general(x, w, DN_2D, meta=meta, cfg=cfg)
+            return jax.lax.psum(jnp.sum(y * dy), "d")
+        y_spec = P(x_spec[0], w_spec[1])
+        return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, P(), y_spec),
+                             out_specs=P())(x, w, meta, dy)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+        put(x, x_spec), put(w, w_spec), meta, put(dy, P(x_spec[0], w_spec[1])))
+
+
+@pytest.mark.parametrize("x_spec, w_spec", [
+    (P("d", None), P(None, None)),  # a weight that is the same on every device: dw is psum'd
+    (P(None, None), P(None, "d")),  # an activation that is: dx is psum'd
+])
+def test_replicated_operand_under_shard_map_gets_autodiffs_gradient(x_spec, w_spec):
+    cfg = cfg_of()
+    x, w = normal(23, (64, 32)), normal(24, (32, 128), 0.1)
+    dy = normal(25, (64, 128), 1e-2)
+    meta = update(fp8.init_meta(cfg), grads_fn(cfg, DN_2D)(x, w, fp8.init_meta(cfg), dy)[2], cfg)
+    dx, dw, mg = _sharded_grads(x_spec, w_spec, x, w, dy, meta, cfg)
+    want_dx, want_dw, want_mg = grads_fn(cfg, DN_2D)(x, w, meta, dy)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-7)
+    # Observations are pmax'd over the shards: the amaxes of the whole tensors, one use each.
+    jax.tree.map(np.testing.assert_array_equal, mg, want_mg)
+
+
+def test_empty_batch_runs_and_records_amax_zero():
+    cfg = cfg_of()
+    x, w = jnp.zeros((0, 32)), normal(26, (32, 16), 0.1)
+    meta = fp8.init_meta(cfg)
+    dx, dw, mg = grads_fn(cfg, DN_2D)(x, w, meta, jnp.zeros((0, 16)))
+    assert dx.shape == (0, 32) and forward(x, w, DN_2D, meta, cfg).shape == (0, 16)
+    np.testing.assert_array_equal(dw, 0.0)
+    assert float(mg.x.amax_history[0]) == 0.0 and float(mg.g.amax_history[0]) == 0.0
+    new = update(meta, mg, cfg)
+    assert float(new.x.scale) == 1.0  # amax 0 keeps the old scale (TE)
+    assert float(new.w.scale) == div32(E4M3_MAX, jnp.max(jnp.abs(w)))

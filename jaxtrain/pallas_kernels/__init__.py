@@ -1,8 +1,9 @@
 """Pallas kernels (Triton backend on GPU, interpret mode on CPU)."""
 from jaxtrain.pallas_kernels.flash_attention import (
     FlashAttentionError,
+    block_counts,
     flash_attention,
     reference_attention,
 )
 
-__all__ = ["FlashAttentionError", "flash_attention", "reference_attention"]
+__all__ = ["FlashAttentionError", "block_counts", "flash_attention", "reference_attention"]

@@ -3,7 +3,9 @@
 Layout is [batch, seq, heads, head_dim]: q_BSHD, k_BSKD, v_BSKD with H % K == 0; query head h reads
 kv head h // (H // K). The algorithm is FlashAttention-2: the forward walks KV blocks with an online
 softmax and saves only the output and the log-sum-exp (fp32, base 2); the backward recomputes the
-probabilities block by block in two kernels, one for dK/dV and one for dQ.
+probabilities block by block in two kernels, one for dK/dV and one for dQ. Causal masking skips
+the tiles above the diagonal; with segment ids every kernel also skips the tiles whose q and kv
+blocks share no document (block_map.py), so packed short documents cost what they compute.
 
 On CPU the same kernels run in Pallas interpret mode, which is how the tests check them.
 """
@@ -16,8 +18,11 @@ from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+from jaxtrain.pallas_kernels import block_map
 
 try:  # Triton compiler params only matter on GPU; CPU interpret mode works without them.
   from jax.experimental.pallas import triton as plgpu
@@ -26,6 +31,7 @@ except ImportError:  # pragma: no cover - depends on the jaxlib build
 
 __all__ = [
     "FlashAttentionError",
+    "block_counts",
     "flash_attention",
     "reference_attention",
     "SUPPORTED_DTYPES",
@@ -60,7 +66,13 @@ def _split_segments(segment_ids: SegmentIds):
       raise FlashAttentionError(
           "segment_ids must be one [batch, seq] array or a pair (q_segment_ids, kv_segment_ids); "
           f"got a sequence of length {len(segment_ids)}.")
-    return segment_ids[0], segment_ids[1]
+    q_seg, kv_seg = segment_ids
+    if (q_seg is None) != (kv_seg is None):
+      missing = "q_segment_ids" if q_seg is None else "kv_segment_ids"
+      raise FlashAttentionError(
+          f"segment_ids=(q_segment_ids, kv_segment_ids) got None for {missing}; pass both "
+          "arrays, one [batch, seq] array for both, or segment_ids=None (no document masking).")
+    return q_seg, kv_seg
   return segment_ids, segment_ids
 
 
@@ -112,6 +124,9 @@ class _Config:
   block_k_bwd: int
   kv_len: Optional[int]  # true sequence length when the kernel sees a padded one, else None
   has_segments: bool
+  skip_blocks: bool  # loop over block_map schedules (needs segment ids)
+  count_blocks: bool  # debug: each program also writes how many tiles it computed
+  precision: lax.Precision  # of every in-kernel dot: DEFAULT is TF32 for fp32 on GPU
   num_warps: Optional[int]
   num_warps_bwd: Optional[int]
   num_stages: Optional[int]
@@ -144,13 +159,15 @@ def _compiler_params(num_warps, num_stages):
 # Kernel helpers (only the Triton-lowerable subset of jax.numpy is used inside kernels).
 
 
-def _dot_nt(a, b):
+def _dot_nt(a, b, precision):
   """a @ b.T with fp32 accumulation."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
 
 
-def _dot(a, b):
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _dot(a, b, precision):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
 
 
 def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: Optional[int]):
@@ -173,13 +190,66 @@ def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: Optional[int]):
   return mask
 
 
-def _split_refs(refs, has_segments: bool):
-  """(q segment ref, kv segment ref, output refs): segment ids, when given, come first."""
-  return (refs[0], refs[1], refs[2:]) if has_segments else (None, None, refs)
+def _split_refs(refs, cfg: _Config):
+  """(q segment ref, kv segment ref, schedule refs, output refs, count ref) from the refs after
+  the fixed inputs: segment ids and the block schedule come first, the count output last."""
+  refs = list(refs)
+  q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+  schedule = tuple(refs.pop(0) for _ in range(3)) if cfg.skip_blocks else None
+  count = refs.pop() if cfg.count_blocks else None
+  return q_seg, kv_seg, schedule, refs, count
+
+
+def _row_loops(cfg: _Config, schedule, q_start, block_q: int, block_k: int, num_k_blocks: int):
+  """([(lo, hi, causal_mask)], kv block of iteration t) of a q-block program (forward, dQ)."""
+  if schedule is not None:  # the block map's list: (0, split) below the diagonal, then on it
+    blocks_ref, split_ref, total_ref = schedule
+    split, total = split_ref[...], total_ref[...]
+    loops = [(0, split, False), (split, total, True)] if cfg.causal else [(0, total, False)]
+    return loops, lambda t: blocks_ref[t]
+  if cfg.causal:
+    # Blocks strictly below the diagonal need no causal mask; blocks past it are skipped.
+    num_full = _div(q_start, block_k)
+    num_live = jnp.minimum(_cdiv(q_start + block_q, block_k), num_k_blocks)
+    return [(0, num_full, False), (num_full, num_live, True)], lambda t: t
+  return [(0, num_k_blocks, False)], lambda t: t
+
+
+def _col_loops(cfg: _Config, schedule, k_start, block_q: int, block_k: int, num_q_blocks: int):
+  """([(lo, hi, causal_mask)], q block of iteration t) of a kv-block program (dK/dV)."""
+  if schedule is not None:  # the block map's list: (0, split) on the diagonal, then below it
+    blocks_ref, split_ref, total_ref = schedule
+    split, total = split_ref[...], total_ref[...]
+    loops = [(0, split, True), (split, total, False)] if cfg.causal else [(0, total, False)]
+    return loops, lambda t: blocks_ref[t]
+  if cfg.causal:
+    # q blocks before first_live see none of these keys; from first_full on, all of them.
+    first_live = _div(k_start, block_q)
+    first_full = jnp.minimum(_cdiv(k_start + block_k - 1, block_q), num_q_blocks)
+    return [(first_live, first_full, True), (first_full, num_q_blocks, False)], lambda t: t
+  return [(0, num_q_blocks, False)], lambda t: t
+
+
+def _run_loops(loops, block_of, body, carry, count):
+  """Run body(block, carry, causal_mask=...) over each loop's iterations, in order, counting
+  the iterations into `count` when it is not None (the debug block counter)."""
+  for lo, hi, causal_mask in loops:
+    step = lambda t, c, cm=causal_mask: body(block_of(t), c, causal_mask=cm)
+    if count is None:
+      carry = lax.fori_loop(lo, hi, step, carry)
+    else:
+      carry, count = lax.fori_loop(lo, hi, lambda t, c, s=step: (s(t, c[0]), c[1] + 1),
+                                   (carry, count))
+  return carry, count
+
+
+def _div(a, b: int):
+  # An int32 divisor: a Python int would be int64 under jax_enable_x64, which lax.div refuses.
+  return lax.div(a, np.int32(b))
 
 
 def _cdiv(a, b: int):
-  return lax.div(a + (b - 1), b)
+  return _div(a + (b - 1), b)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +257,7 @@ def _cdiv(a, b: int):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
-  q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = _split_refs(refs, cfg.has_segments)
+  q_seg_ref, kv_seg_ref, schedule, (o_ref, lse_ref), count_ref = _split_refs(refs, cfg)
   block_q, head_dim = q_ref.shape
   block_k = cfg.block_k
   num_k_blocks = k_ref.shape[0] // block_k
@@ -206,7 +276,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
     kv_slice = pl.ds(k_start, block_k)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
-    s = _dot_nt(q, k) * scale2
+    s = _dot_nt(q, k, cfg.precision) * scale2
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
     k_seg = None if kv_seg_ref is None else kv_seg_ref[kv_slice][None, :]
     mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
@@ -220,27 +290,31 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
       # masked keys; zeroing keeps fully masked rows at l == 0.
       p = jnp.where(mask, p, 0.0)
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, cfg.precision)
     return acc, m_new, l
 
   carry = (jnp.zeros((block_q, head_dim), jnp.float32),
            jnp.full((block_q,), _MASKED, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  if cfg.causal:
-    # Blocks strictly below the diagonal need no causal mask; blocks past it are skipped.
-    num_full = lax.div(q_start, block_k)
-    num_live = jnp.minimum(_cdiv(q_start + block_q, block_k), num_k_blocks)
-    carry = lax.fori_loop(0, num_full, functools.partial(body, causal_mask=False), carry)
-    carry = lax.fori_loop(num_full, num_live, functools.partial(body, causal_mask=True), carry)
-  else:
-    carry = lax.fori_loop(0, num_k_blocks, functools.partial(body, causal_mask=False), carry)
-  acc, m, l = carry
+  count = jnp.int32(0) if cfg.count_blocks else None
+  loops, block_of = _row_loops(cfg, schedule, q_start, block_q, block_k, num_k_blocks)
+  (acc, m, l), count = _run_loops(loops, block_of, body, carry, count)
+  if count_ref is not None:
+    count_ref[...] = count
 
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   # +inf for rows that see no key, so exp2(s - lse) is 0 in the backward.
   lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe))
+
+
+def _schedule_specs(schedule: block_map.Schedule, program_block):
+  """BlockSpecs giving each program its own row of a block_map.Schedule; `program_block` maps
+  grid indices to (batch, program's block)."""
+  width = schedule.blocks.shape[-1]
+  return [pl.BlockSpec((None, None, width), lambda *g: (*program_block(*g), 0)),
+          pl.BlockSpec((None, None), program_block), pl.BlockSpec((None, None), program_block)]
 
 
 def _q_block_index(pid, num_q_blocks: int, causal: bool):
@@ -259,7 +333,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
     return (b, _q_block_index(i, num_q_blocks, cfg.causal), h, 0)
 
   def kv_map(i, b, h):
-    return (b, 0, lax.div(h, group), 0)
+    return (b, 0, _div(h, group), 0)
 
   in_specs = [
       pl.BlockSpec((None, block_q, None, D), q_map),
@@ -267,13 +341,14 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
       pl.BlockSpec((None, S, None, D), kv_map),
   ]
   args = [q, k, v]
+  q_row = lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))
   if cfg.has_segments:
-    in_specs += [
-        pl.BlockSpec((None, block_q),
-                     lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))),
-        pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
-    ]
+    in_specs += [pl.BlockSpec((None, block_q), q_row), pl.BlockSpec((None, S), lambda i, b, h: (b, 0))]
     args += [q_seg, kv_seg]
+  if cfg.skip_blocks:
+    rows, _ = block_map.schedules(jnp, q_seg, kv_seg, block_q, cfg.block_k, cfg.causal)
+    in_specs += _schedule_specs(rows, q_row)
+    args += list(rows)
   out_specs = [
       pl.BlockSpec((None, block_q, None, D), q_map),
       pl.BlockSpec((None, None, block_q),
@@ -283,7 +358,10 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
       jax.ShapeDtypeStruct(q.shape, q.dtype),
       jax.ShapeDtypeStruct((B, H, S), jnp.float32),
   ]
-  out, lse_BHS = pl.pallas_call(
+  if cfg.count_blocks:
+    out_specs.append(pl.BlockSpec((None, None, None), lambda i, b, h: (b, h, q_row(i, b, h)[1])))
+    out_shape.append(jax.ShapeDtypeStruct((B, H, num_q_blocks), jnp.int32))
+  out, lse_BHS, *count = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
       grid=(num_q_blocks, B, H),
       in_specs=in_specs,
@@ -293,7 +371,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
       interpret=cfg.interpret,
       name="jaxtrain_flash_fwd",
   )(*args)
-  return out, lse_BHS
+  return out, lse_BHS, (count[0] if count else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,7 +386,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, group: int):
-  q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = _split_refs(refs, cfg.has_segments)
+  q_seg_ref, kv_seg_ref, schedule, (dk_ref, dv_ref), count_ref = _split_refs(refs, cfg)
   block_k, head_dim = k_ref.shape
   block_q = cfg.block_q_bwd
   num_q_blocks = q_ref.shape[0] // block_q
@@ -330,42 +408,36 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
     do = do_ref[q_slice, g, :]
     lse = lse_ref[g, q_slice]
     delta = delta_ref[g, q_slice]
-    s_t = _dot_nt(k, q) * scale2
+    s_t = _dot_nt(k, q, cfg.precision) * scale2
     p_t = jnp.exp2(s_t - lse[None, :])
     q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)
     q_seg = None if q_seg_ref is None else q_seg_ref[q_slice][None, :]
     mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
     if mask is not None:
       p_t = jnp.where(mask, p_t, 0.0)
-    dv = dv + _dot(p_t.astype(do.dtype), do)
-    dp_t = _dot_nt(v, do)
+    dv = dv + _dot(p_t.astype(do.dtype), do, cfg.precision)
+    dp_t = _dot_nt(v, do, cfg.precision)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = dk + _dot(ds_t.astype(q.dtype), q)
+    dk = dk + _dot(ds_t.astype(q.dtype), q, cfg.precision)
     return dk, dv
 
-  if cfg.causal:
-    # q blocks before first_live see none of these keys; from first_full on, all of them.
-    first_live = lax.div(k_start, block_q)
-    first_full = jnp.minimum(_cdiv(k_start + block_k - 1, block_q), num_q_blocks)
-  else:
-    first_live = first_full = 0
+  loops, block_of = _col_loops(cfg, schedule, k_start, block_q, block_k, num_q_blocks)
 
-  def group_body(g, carry):
-    if cfg.causal:
-      carry = lax.fori_loop(first_live, first_full,
-                            functools.partial(q_body, g=g, causal_mask=True), carry)
-    return lax.fori_loop(first_full, num_q_blocks,
-                         functools.partial(q_body, g=g, causal_mask=False), carry)
+  def group_body(g, state):
+    return _run_loops(loops, block_of, functools.partial(q_body, g=g), *state)
 
   zeros = jnp.zeros((block_k, head_dim), jnp.float32)
-  dk, dv = lax.fori_loop(0, group, group_body, (zeros, zeros))
+  count = jnp.int32(0) if cfg.count_blocks else None
+  (dk, dv), count = lax.fori_loop(0, group, group_body, ((zeros, zeros), count))
+  if count_ref is not None:
+    count_ref[...] = count
   dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config,
                num_q_blocks: int):
-  q_seg_ref, kv_seg_ref, (dq_ref,) = _split_refs(refs, cfg.has_segments)
+  q_seg_ref, kv_seg_ref, schedule, (dq_ref,), count_ref = _split_refs(refs, cfg)
   block_q, head_dim = q_ref.shape
   block_k = cfg.block_k_bwd
   num_k_blocks = k_ref.shape[0] // block_k
@@ -385,24 +457,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Con
     kv_slice = pl.ds(k_start, block_k)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
-    p = jnp.exp2(_dot_nt(q, k) * scale2 - lse)
+    p = jnp.exp2(_dot_nt(q, k, cfg.precision) * scale2 - lse)
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
     k_seg = None if kv_seg_ref is None else kv_seg_ref[kv_slice][None, :]
     mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
     if mask is not None:
       p = jnp.where(mask, p, 0.0)
-    ds = p * (_dot_nt(do, v) - delta)
-    return dq + _dot(ds.astype(k.dtype), k)
+    ds = p * (_dot_nt(do, v, cfg.precision) - delta)
+    return dq + _dot(ds.astype(k.dtype), k, cfg.precision)
 
   dq = jnp.zeros((block_q, head_dim), jnp.float32)
-  if cfg.causal:
-    num_full = lax.div(q_start, block_k)
-    num_live = jnp.minimum(_cdiv(q_start + block_q, block_k), num_k_blocks)
-    dq = lax.fori_loop(0, num_full, functools.partial(body, causal_mask=False), dq)
-    dq = lax.fori_loop(num_full, num_live, functools.partial(body, causal_mask=True), dq)
-  else:
-    dq = lax.fori_loop(0, num_k_blocks, functools.partial(body, causal_mask=False), dq)
+  count = jnp.int32(0) if cfg.count_blocks else None
+  loops, block_of = _row_loops(cfg, schedule, q_start, block_q, block_k, num_k_blocks)
+  dq, count = _run_loops(loops, block_of, body, dq, count)
   dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
+  if count_ref is not None:
+    count_ref[...] = count
 
 
 def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
@@ -424,12 +494,21 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
     in_specs += [pl.BlockSpec((None, S), lambda j, b, kh: (b, 0)),
                  pl.BlockSpec((None, bk), lambda j, b, kh: (b, j))]
     args += [q_seg, kv_seg]
-  dk, dv = pl.pallas_call(
+  if cfg.skip_blocks:
+    rows, cols = block_map.schedules(jnp, q_seg, kv_seg, bq, bk, cfg.causal)
+    in_specs += _schedule_specs(cols, lambda j, b, kh: (b, j))
+    args += list(cols)
+  out_specs = [kv_block_spec, kv_block_spec]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  if cfg.count_blocks:
+    out_specs.append(pl.BlockSpec((None, None, None), lambda j, b, kh: (b, kh, j)))
+    out_shape.append(jax.ShapeDtypeStruct((B, K, S // bk), jnp.int32))
+  dk, dv, *count_dkv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg=cfg, group=group),
       grid=(S // bk, B, K),
       in_specs=in_specs,
-      out_specs=[kv_block_spec, kv_block_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=params,
       interpret=cfg.interpret,
       name="jaxtrain_flash_bwd_dkv",
@@ -445,30 +524,37 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
     return (b, h, _q_block_index(i, num_q_blocks, cfg.causal))
 
   def kv_map(i, b, h):
-    return (b, 0, lax.div(h, group), 0)
+    return (b, 0, _div(h, group), 0)
 
   q_spec = pl.BlockSpec((None, bq, None, D), q_map)
   kv_full_spec = pl.BlockSpec((None, S, None, D), kv_map)
   row_spec = pl.BlockSpec((None, None, bq), row_map)
   in_specs = [q_spec, kv_full_spec, kv_full_spec, q_spec, row_spec, row_spec]
   args = [q, k, v, do, lse_BHS, delta_BHS]
+  q_row = lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))
   if cfg.has_segments:
-    in_specs += [
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))),
-        pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
-    ]
+    in_specs += [pl.BlockSpec((None, bq), q_row), pl.BlockSpec((None, S), lambda i, b, h: (b, 0))]
     args += [q_seg, kv_seg]
-  dq = pl.pallas_call(
+  if cfg.skip_blocks:
+    in_specs += _schedule_specs(rows, q_row)
+    args += list(rows)
+  out_specs = [q_spec]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if cfg.count_blocks:
+    out_specs.append(pl.BlockSpec((None, None, None), row_map))
+    out_shape.append(jax.ShapeDtypeStruct((B, H, num_q_blocks), jnp.int32))
+  dq, *count_dq = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
       grid=(num_q_blocks, B, H),
       in_specs=in_specs,
-      out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=params,
       interpret=cfg.interpret,
       name="jaxtrain_flash_bwd_dq",
   )(*args)
-  return dq, dk, dv
+  counts = (count_dkv[0], count_dq[0]) if cfg.count_blocks else None
+  return dq, dk, dv, counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,31 +566,60 @@ def _flash_core(cfg, q, k, v, q_seg, kv_seg):
   return _forward(cfg, q, k, v, q_seg, kv_seg)[0]
 
 
+# Neither the forward kernel (whose residuals a second derivative differentiates) nor the
+# backward kernels have a derivative of their own: differentiating them (grad of grad,
+# forward-over-reverse) would reach the pallas_call JVP rule, which fails deep inside Pallas.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _forward_kernel(cfg, q, k, v, q_seg, kv_seg):
+  return _forward(cfg, q, k, v, q_seg, kv_seg)[:2]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _backward_kernels(cfg, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
+  return _backward(cfg, q, k, v, q_seg, kv_seg, out, lse_BHS, do)[:3]
+
+
+def _no_second_derivative(cfg, primals, tangents):
+  raise FlashAttentionError(
+      "flash_attention has no second derivative (grad of grad, jvp of grad, Hessian-vector "
+      "products): its backward pass is a kernel without a derivative. Differentiate "
+      "reference_attention (same contract) where second-order terms are needed.")
+
+
+_forward_kernel.defjvp(_no_second_derivative)
+_backward_kernels.defjvp(_no_second_derivative)
+
+
 def _flash_core_fwd(cfg, q, k, v, q_seg, kv_seg):
-  out, lse_BHS = _forward(cfg, q, k, v, q_seg, kv_seg)
+  out, lse_BHS = _forward_kernel(cfg, q, k, v, q_seg, kv_seg)
   return out, (q, k, v, q_seg, kv_seg, out, lse_BHS)
 
 
 def _flash_core_bwd(cfg, residuals, do):
   q, k, v, q_seg, kv_seg, out, lse_BHS = residuals
-  dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, out, lse_BHS, do)
+  dq, dk, dv = _backward_kernels(cfg, q, k, v, q_seg, kv_seg, out, lse_BHS, do)
   return dq, dk, dv, None, None
 
 
 _flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "padded_seq", "padded_head_dim"))
-def _flash_padded(q, k, v, q_seg, kv_seg, *, cfg, padded_seq, padded_head_dim):
+def _pad(q, k, v, q_seg, kv_seg, padded_seq, padded_head_dim):
   S, D = q.shape[1], q.shape[3]
   pad = ((0, 0), (0, padded_seq - S), (0, 0), (0, padded_head_dim - D))
   if pad[1][1] or pad[3][1]:
     # Zero head-dim padding leaves q.k and the real output columns unchanged.
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    if q_seg is not None and padded_seq != S:
-      q_seg = jnp.pad(q_seg, ((0, 0), (0, padded_seq - S)))
-      kv_seg = jnp.pad(kv_seg, ((0, 0), (0, padded_seq - S)))
-  out = _flash_core(cfg, q, k, v, q_seg, kv_seg)
+  if q_seg is not None:
+    q_seg = block_map.pad_segments(jnp, q_seg, padded_seq)
+    kv_seg = block_map.pad_segments(jnp, kv_seg, padded_seq)
+  return q, k, v, q_seg, kv_seg
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_seq", "padded_head_dim"))
+def _flash_padded(q, k, v, q_seg, kv_seg, *, cfg, padded_seq, padded_head_dim):
+  S, D = q.shape[1], q.shape[3]
+  out = _flash_core(cfg, *_pad(q, k, v, q_seg, kv_seg, padded_seq, padded_head_dim))
   return out[:, :S, :, :D]
 
 
@@ -522,6 +637,25 @@ def _check_block(name: str, value: int) -> int:
 def _fit_block(block: int, seq_len: int) -> int:
   # A block longer than the (power-of-two rounded) sequence only adds padding.
   return max(_MIN_TILE, min(block, pl.next_power_of_2(seq_len)))
+
+
+def _exact_segment_ids(seg, name: str):
+  """Segment ids in a dtype the kernels compare exactly: int32, or the ids' own 64-bit dtype
+  when jax has x64 on. Without x64 a 64-bit array can only be a host array, and jax would
+  truncate it: it passes only if its values fit int32."""
+  if seg is None or jnp.dtype(seg.dtype).itemsize <= 4:
+    # <= 32-bit ints cast to int32 injectively (uint32 wraps): equality, all a mask needs, holds.
+    return None if seg is None else jnp.asarray(seg).astype(jnp.int32)
+  if jax.config.jax_enable_x64:
+    return jnp.asarray(seg)
+  values = np.asarray(seg)
+  info = np.iinfo(np.int32)
+  if values.size and (values.min() < info.min or values.max() > info.max):
+    raise FlashAttentionError(
+        f"{name} ({values.dtype}) hold values in [{values.min()}, {values.max()}], outside "
+        "int32, which jax (x64 off) would truncate, merging documents; relabel them per row "
+        "(e.g. np.unique(ids, return_inverse=True)[1]) or enable jax_enable_x64.")
+  return jnp.asarray(values.astype(np.int32))
 
 
 def _validate(q, k, v, q_seg, kv_seg):
@@ -566,6 +700,47 @@ def _validate(q, k, v, q_seg, kv_seg):
       raise FlashAttentionError(f"{name} must be an integer array; got {seg.dtype}.")
 
 
+def _precision(precision) -> lax.Precision:
+  """The in-kernel dots' precision: the argument, else jax's default_matmul_precision."""
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  if precision is None:
+    return lax.Precision.DEFAULT
+  try:
+    return lax.Precision(precision)
+  except (ValueError, TypeError):
+    raise FlashAttentionError(
+        f"precision={precision!r} is not a jax.lax.Precision (DEFAULT or HIGH: TF32 for fp32 "
+        "inputs on GPU; HIGHEST: full fp32)") from None
+
+
+def _resolve(B, S, H, D, has_segments, *, causal, sm_scale, blocks, num_warps, num_warps_bwd,
+             num_stages, num_stages_bwd, interpret, precision, skip_empty_blocks,
+             count_blocks=False):
+  """(_Config, padded seq, padded head_dim) for a call: what flash_attention runs and what
+  block_counts counts."""
+  padded_d = max(_MIN_TILE, pl.next_power_of_2(D))
+  chosen = []
+  for name, value, default in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"), blocks,
+                                  _default_blocks(padded_d)):
+    chosen.append(_check_block(name, value) if value is not None else _fit_block(default, S))
+  padded_s = -(-S // max(chosen)) * max(chosen)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  cfg = _Config(
+      causal=bool(causal), sm_scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
+      block_q=chosen[0], block_k=chosen[1], block_q_bwd=chosen[2], block_k_bwd=chosen[3],
+      kv_len=S if padded_s != S else None, has_segments=has_segments,
+      skip_blocks=has_segments and bool(skip_empty_blocks), count_blocks=count_blocks,
+      precision=_precision(precision),
+      num_warps=(4 if padded_d <= 64 else 8) if num_warps is None else num_warps,
+      num_warps_bwd=(4 if padded_d <= 64 else 8) if num_warps_bwd is None else num_warps_bwd,
+      num_stages=3 if num_stages is None else num_stages,
+      num_stages_bwd=2 if num_stages_bwd is None else num_stages_bwd,
+      interpret=bool(interpret))
+  return cfg, padded_s, padded_d
+
+
 def flash_attention(
     q_BSHD: jax.Array,
     k_BSKD: jax.Array,
@@ -583,14 +758,18 @@ def flash_attention(
     num_stages: Optional[int] = None,
     num_stages_bwd: Optional[int] = None,
     interpret: Optional[bool] = None,
+    precision: Optional[lax.Precision] = None,
+    skip_empty_blocks: bool = True,
 ) -> jax.Array:
-  """Memory-efficient attention softmax(q k^T * sm_scale + mask) v, differentiable.
+  """Memory-efficient attention softmax(q k^T * sm_scale + mask) v, differentiable once.
 
   Args:
     q_BSHD: queries [B, S, H, D]; float32, bfloat16 or float16.
     k_BSKD, v_BSKD: keys/values [B, S, K, D] with H % K == 0 (K == 1 is MQA); same dtype as q.
     segment_ids_BS: None, an int [B, S] array (packed documents: i attends to j only when their
-      ids match), or a pair (q_segment_ids, kv_segment_ids). Rows with no visible key return 0.
+      ids match), or a pair (q_segment_ids, kv_segment_ids), both given. Rows with no visible
+      key return 0. Ids are compared exactly in any integer dtype (64-bit host ids must fit
+      int32 unless jax_enable_x64 is on).
     causal: also require j <= i.
     sm_scale: logit scale, default 1/sqrt(D).
     block_q, block_k: forward tile sizes; block_q_bwd, block_k_bwd: backward tile sizes
@@ -598,42 +777,80 @@ def flash_attention(
       reverse). Powers of two >= 16; None picks Hopper defaults by head_dim.
     num_warps*, num_stages*: Triton launch parameters (GPU only).
     interpret: run the Pallas interpreter; None means True unless the default backend is GPU.
+    precision: of the in-kernel dots. None follows jax's default_matmul_precision, whose
+      default, like DEFAULT and HIGH, computes fp32 inputs in TF32 on GPU (as XLA's fp32 dots
+      do there; ~1e-3 relative, not the ~1e-6 the CPU tests see); HIGHEST computes full fp32
+      (several times slower). No effect on bf16/fp16 inputs or in interpret mode.
+    skip_empty_blocks: with segment ids, skip the (q block, kv block) tiles whose documents do
+      not meet (block_map.py; exact). False only to measure what skipping saves.
 
   Returns:
-    [B, S, H, D] in q's dtype. Softmax statistics and all accumulations are fp32.
+    [B, S, H, D] in q's dtype. Softmax statistics and all accumulations are fp32. An empty
+    batch or sequence (B == 0 or S == 0) returns an empty array without running a kernel.
 
   A sequence length that is not a multiple of the block sizes is zero-padded up to one (padded
   keys are masked) and the result sliced back; head dims that are not a power of two >= 16 are
   zero-padded likewise. Both cost a copy of q/k/v; prefer aligned shapes. Raises
-  FlashAttentionError (a ValueError) on inconsistent shapes, dtypes, head_dim > 256 or bad blocks.
+  FlashAttentionError (a ValueError) on inconsistent shapes, dtypes, head_dim > 256, bad blocks
+  or half-given segment ids, and when differentiated twice; jvp (forward mode) is not
+  supported either (jax raises a TypeError for the custom VJP).
   """
   q_seg, kv_seg = _split_segments(segment_ids_BS)
   _validate(q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg)
+  q_seg = _exact_segment_ids(q_seg, "q segment_ids")
+  kv_seg = _exact_segment_ids(kv_seg, "kv segment_ids")
   B, S, H, D = q_BSHD.shape
-  padded_d = max(_MIN_TILE, pl.next_power_of_2(D))
-  defaults = _default_blocks(padded_d)
-  blocks = []
-  for name, value, default in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"),
-                                  (block_q, block_k, block_q_bwd, block_k_bwd), defaults):
-    blocks.append(_check_block(name, value) if value is not None else _fit_block(default, S))
-  padded_s = -(-S // max(blocks)) * max(blocks)
-  if sm_scale is None:
-    sm_scale = 1.0 / math.sqrt(D)
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  if num_warps is None:
-    num_warps = 4 if padded_d <= 64 else 8
-  if num_warps_bwd is None:
-    num_warps_bwd = 4 if padded_d <= 64 else 8
-  cfg = _Config(
-      causal=bool(causal), sm_scale=float(sm_scale),
-      block_q=blocks[0], block_k=blocks[1], block_q_bwd=blocks[2], block_k_bwd=blocks[3],
-      kv_len=S if padded_s != S else None, has_segments=q_seg is not None,
-      num_warps=num_warps, num_warps_bwd=num_warps_bwd,
-      num_stages=3 if num_stages is None else num_stages,
-      num_stages_bwd=2 if num_stages_bwd is None else num_stages_bwd,
-      interpret=bool(interpret))
-  if q_seg is not None:
-    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+  if B == 0 or S == 0:
+    return jnp.zeros(q_BSHD.shape, q_BSHD.dtype)
+  cfg, padded_s, padded_d = _resolve(
+      B, S, H, D, q_seg is not None, causal=causal, sm_scale=sm_scale,
+      blocks=(block_q, block_k, block_q_bwd, block_k_bwd), num_warps=num_warps,
+      num_warps_bwd=num_warps_bwd, num_stages=num_stages, num_stages_bwd=num_stages_bwd,
+      interpret=interpret, precision=precision, skip_empty_blocks=skip_empty_blocks)
   return _flash_padded(q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg, cfg=cfg, padded_seq=padded_s,
                        padded_head_dim=padded_d)
+
+
+def block_counts(q_shape, segment_ids_BS=None, *, causal: bool = True,
+                 block_q=None, block_k=None, block_q_bwd=None, block_k_bwd=None,
+                 skip_empty_blocks: bool = True) -> block_map.BlockCounts:
+  """The (q block, kv block, query head) tiles flash_attention's forward, dK/dV and dQ kernels
+  compute for queries of shape `q_shape` and these (numpy or concrete) segment ids: the same
+  blocks, padding and block map the kernels use, counted on the host without running them."""
+  B, S, H, D = q_shape
+  cfg, padded_s, _ = _resolve(
+      B, S, H, D, segment_ids_BS is not None, causal=causal, sm_scale=None,
+      blocks=(block_q, block_k, block_q_bwd, block_k_bwd), num_warps=None, num_warps_bwd=None,
+      num_stages=None, num_stages_bwd=None, interpret=True, precision=None,
+      skip_empty_blocks=skip_empty_blocks)
+  q_seg, kv_seg = _split_segments(segment_ids_BS)
+  if q_seg is not None:
+    q_seg, kv_seg = (block_map.pad_segments(np, np.asarray(s), padded_s) for s in (q_seg, kv_seg))
+  return block_map.block_counts(
+      q_seg, kv_seg, batch=B, seq=padded_s, num_heads=H, causal=cfg.causal, block_q=cfg.block_q, block_k=cfg.block_k, block_q_bwd=cfg.block_q_bwd,
+      block_k_bwd=cfg.block_k_bwd, skip=cfg.skip_blocks)
+
+
+def _kernel_block_counts(q, k, v, segment_ids_BS=None, *, causal=True, blocks=(None,) * 4,
+                         skip_empty_blocks=True) -> block_map.BlockCounts:
+  """block_counts as the kernels themselves count them (debug outputs; interpret mode on CPU):
+  the test that the host block map is the one the kernels run."""
+  q_seg, kv_seg = _split_segments(segment_ids_BS)
+  q_seg = _exact_segment_ids(q_seg, "q segment_ids")
+  kv_seg = _exact_segment_ids(kv_seg, "kv segment_ids")
+  B, S, H, D = q.shape
+  cfg, padded_s, padded_d = _resolve(
+      B, S, H, D, q_seg is not None, causal=causal, sm_scale=None, blocks=blocks, num_warps=None,
+      num_warps_bwd=None, num_stages=None, num_stages_bwd=None, interpret=None, precision=None,
+      skip_empty_blocks=skip_empty_blocks, count_blocks=True)
+  return block_map.BlockCounts(*(int(n) for n in _counted_run(q, k, v, q_seg, kv_seg, cfg=cfg,
+                                                                padded_seq=padded_s,
+                                                                padded_head_dim=padded_d)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_seq", "padded_head_dim"))
+def _counted_run(q, k, v, q_seg, kv_seg, *, cfg, padded_seq, padded_head_dim):
+  padded = _pad(q, k, v, q_seg, kv_seg, padded_seq, padded_head_dim)
+  out, lse_BHS, n_fwd = _forward(cfg, *padded)
+  _, _, _, (n_dkv, n_dq) = _backward(cfg, *padded, out, lse_BHS, jnp.ones_like(out))
+  return jnp.sum(n_fwd), jnp.sum(n_dkv), jnp.sum(n_dq)
