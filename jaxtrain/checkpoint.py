@@ -126,7 +126,8 @@ class Checkpointer:
             raise CheckpointCorruptError(
                 f"no checkpoint in {self.directory} can be read: "
                 + "; ".join(f"step {s}: {why}" for s, why in unreadable)
-                + ". Move them away to start from scratch (or set checkpoint.resume=false)")
+                + ". Move them out of the way or use a fresh train.workdir to start from "
+                "scratch")
         return None
 
     def _set_aside(self, step: int) -> pathlib.Path:
