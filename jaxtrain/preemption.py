@@ -82,18 +82,17 @@ class _Agreement:
     """The max over all processes of a per-process flag, one step late (see the module doc)."""
 
     def __init__(self):
-        # One device per process: the all-reduce has process_count participants, not every
-        # device's.
-        first = {}
-        for d in jax.devices():
-            first.setdefault(d.process_index, d)
-        mesh = Mesh(np.asarray([first[p] for p in sorted(first)]), ("processes",))
-        self._sharding = NamedSharding(mesh, P("processes"))
+        # Over every device, like the train step: a program on a subset of them (one device per
+        # process) let gloo match its all-reduce with a train-step collective on CPU
+        # ("Received data size doesn't match expected size").
+        mesh = Mesh(np.asarray(jax.devices()), ("devices",))
+        self._sharding = NamedSharding(mesh, P("devices"))
         self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+        self._local_devices = jax.local_device_count()
         self._pending = None
 
     def __call__(self, flag: bool) -> bool:
-        flags = jax.make_array_from_process_local_data(self._sharding,
-                                                       np.full((1,), int(flag), np.int32))
+        flags = jax.make_array_from_process_local_data(
+            self._sharding, np.full((self._local_devices,), int(flag), np.int32))
         previous, self._pending = self._pending, self._reduce(flags)
         return previous is not None and bool(previous)

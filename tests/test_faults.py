@@ -13,6 +13,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -57,14 +58,22 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 def _launch(workdir, *extra, faults=()) -> subprocess.Popen:
     """`python train.py` on the recipe (under tests/faulty_train.py's `faults`); its output
-    goes to <workdir>.log."""
-    log = (workdir.parent / f"{workdir.name}.log").open("a")
+    goes through a pipe (not subject to the child's file-size limit) to <workdir>.log."""
     runner = [str(ROOT / "tests/faulty_train.py"), *faults, "--"] if faults else []
     command = [*(runner or [str(ROOT / "train.py")]), "--config", "configs/tiny.py", *ARGS,
                *extra, f"--train.workdir={workdir}"]
-    return subprocess.Popen([sys.executable, *command], cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
+    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
+
+    def copy(log=workdir.parent / f"{workdir.name}.log"):
+        with log.open("ab") as out:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+    proc.copier = threading.Thread(target=copy, daemon=True)
+    proc.copier.start()
+    return proc
 
 
 def _output(workdir) -> str:
@@ -94,6 +103,7 @@ def _finish(proc: subprocess.Popen, workdir) -> int:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        proc.copier.join(timeout=30)
         print(_output(workdir)[-3000:])
 
 
@@ -181,8 +191,9 @@ def _truncate(step_dir: pathlib.Path) -> None:
 
 
 def _overwrite_values(step_dir: pathlib.Path) -> None:
-    """Same size, same structure, other bytes in the array data: only the fingerprint sees it
-    (measured: TensorStore reads such a file without complaint)."""
+    """Same size, other bytes in the array data. TensorStore notices when they break a
+    compressed chunk; when they do not, it returns the other values (measured: NaN losses
+    two steps later) and only the fingerprint sees it."""
     largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
                   key=lambda p: p.stat().st_size)
     data = bytearray(largest.read_bytes())
@@ -192,6 +203,15 @@ def _overwrite_values(step_dir: pathlib.Path) -> None:
 
 def _garbage_metadata(step_dir: pathlib.Path) -> None:
     (step_dir / "state" / "_METADATA").write_bytes(b"\x00garbage" * 20)
+
+
+def _other_fingerprint(step_dir: pathlib.Path) -> None:
+    """The values as saved, a record of other ones: what the fingerprint check reports when
+    the array files changed and still decode."""
+    path = step_dir / "fingerprint" / "metadata"
+    saved = json.loads(path.read_text())
+    saved["params/embed"][1] ^= 1
+    path.write_text(json.dumps(saved))
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +224,8 @@ def stopped_at_6(tmp_path_factory) -> pathlib.Path:
     return workdir
 
 
-@pytest.mark.parametrize("damage", [_truncate, _overwrite_values, _garbage_metadata])
+@pytest.mark.parametrize("damage", [_truncate, _overwrite_values, _garbage_metadata,
+                                    _other_fingerprint])
 def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, stopped_at_6, reference,
                                                              damage):
     workdir = tmp_path / "run"
@@ -214,6 +235,8 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, stopped_a
     trainer.train(_config(workdir, "--checkpoint.every=2"), log=logged.append)
     warning = [line for line in logged if line.startswith("warning:")]
     assert len(warning) == 1 and "checkpoints/6 is unreadable" in warning[0], logged
+    if damage is _other_fingerprint:
+        assert "params/embed does not hold the values that were saved" in warning[0]
     assert "renamed it 6.unreadable and resumed from step 4" in warning[0]
     assert (workdir / "checkpoints" / "6.unreadable").is_dir()  # kept for inspection
     assert _losses(workdir) == reference
@@ -222,12 +245,12 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, stopped_a
 def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, stopped_at_6):
     workdir = tmp_path / "run"
     shutil.copytree(stopped_at_6, workdir)
-    for step, damage in (("2", _garbage_metadata), ("4", _truncate), ("6", _overwrite_values)):
+    for step, damage in (("2", _garbage_metadata), ("4", _truncate), ("6", _other_fingerprint)):
         damage(workdir / "checkpoints" / step)
     before = _records(workdir)
     for _ in range(2):  # and again on the next attempt: nothing was renamed or overwritten
-        with pytest.raises(CheckpointCorruptError, match=r"step 6: .*fingerprint.*step 4: .*"
-                           r"step 2: "):
+        with pytest.raises(CheckpointCorruptError, match=r"step 6: .*fingerprint.*; step 4: .*"
+                           r"; step 2: .*JSONDecodeError"):
             trainer.train(_config(workdir))
         assert _steps(workdir) == ["2", "4", "6"] and _records(workdir) == before
 
@@ -266,3 +289,25 @@ def test_a_read_only_workdir_is_refused_before_anything_runs(tmp_path, stopped_a
         f"error: train.workdir={workdir}: cannot write to {workdir}/checkpoints (Permission "
         "denied); make it writable or set train.workdir to a folder that is")
     assert _steps(workdir) == before
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+def test_fingerprint_sees_one_changed_or_two_swapped_values_on_any_sharding():
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxtrain.checkpoint import fingerprint
+    x = np.random.default_rng(0).standard_normal((16, 24)).astype(np.float32)
+    changed = x.copy()
+    changed[3, 5] = np.nextafter(changed[3, 5], np.float32(np.inf))  # one ulp
+    swapped = x.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+    base = fingerprint({"x": x})["x"]
+    assert fingerprint({"x": sharded})["x"] == base  # exact integers: sharding-independent
+    assert fingerprint({"x": changed})["x"][0] != base[0]
+    swapped_fp = fingerprint({"x": swapped})["x"]
+    assert swapped_fp[0] == base[0] and swapped_fp[1] != base[1]  # the weighted sum sees it
