@@ -1,17 +1,32 @@
 """Orbax CheckpointManager: async saves every N steps and at the end, keep K, auto-resume.
 
 A checkpoint holds the train state (params, optimizer state, step), the data iterator's
-position and the layer order of its layer-stacked leaves (layer_order.py: model order, or a
-pipeline's chunk order). The model has no stochastic layers, so the seed in config.json is the
-whole RNG state. Restores go straight onto the current mesh's shardings, whatever mesh saved
-them; a checkpoint written in another layer order (another pipeline layout) is read in its own
-order and converted once.
+position, the layer order of its layer-stacked leaves (layer_order.py: model order, or a
+pipeline's chunk order) and a fingerprint of the state's values. The model has no stochastic
+layers, so the seed in config.json is the whole RNG state. Restores go straight onto the
+current mesh's shardings, whatever mesh saved them; a checkpoint written in another layer
+order (another pipeline layout) is read in its own order and converted once.
+
+Faults. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when every item
+is written, so a save killed half-way never looks like a checkpoint: it is reported and
+removed at the next start. A failed write (full disk, lost permissions) surfaces as
+CheckpointSaveError, and the previous checkpoint stays (orbax deletes old steps only after a
+new one is committed). Damage after the commit is caught at restore: orbax and TensorStore
+reject truncated or unparsable files, and the fingerprint (a wrap-around sum of the values'
+bits, plain and index-weighted, per leaf) rejects files whose bytes changed. The trainer then
+resumes from the newest readable checkpoint and sets the damaged ones aside, or stops with
+CheckpointCorruptError when none is readable; it never starts fresh over checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
+import re
+import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -21,36 +36,115 @@ from jaxtrain.config import CheckpointConfig, ConfigError
 from jaxtrain.layer_order import LayerOrder
 
 LAYOUT_ITEM = "layout"
+FINGERPRINT_ITEM = "fingerprint"
+SET_ASIDE_SUFFIX = ".unreadable"
 
 
 class CheckpointMismatchError(ConfigError):
     """A checkpoint that does not fit the configured model; names the parameter."""
 
 
+class CheckpointSaveError(ConfigError):
+    """A save that could not be written (disk full, permissions); the previous one is kept."""
+
+
+class CheckpointCorruptError(ConfigError):
+    """Checkpoints exist but none can be read back as it was saved."""
+
+
 class Checkpointer:
     def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig):
         self.directory = pathlib.Path(directory).absolute()
+        # Saves a kill interrupted before orbax committed them; orbax removes them below.
+        self.interrupted_saves = sorted(self.directory.glob(f"*{ocp.path.step.TMP_DIR_SUFFIX}*"))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
+            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
+            cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "data": ocp.JsonCheckpointHandler(),
-                           LAYOUT_ITEM: ocp.JsonCheckpointHandler()})
+                           LAYOUT_ITEM: ocp.JsonCheckpointHandler(),
+                           FINGERPRINT_ITEM: ocp.JsonCheckpointHandler()})
+        self._in_flight: int | None = None  # the step an async save is writing
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_state: dict, order: LayerOrder | None = None) -> None:
         """Save asynchronously; `order`: the layer order of state's layer-stacked leaves."""
-        items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state)}
+        items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
+                 FINGERPRINT_ITEM: ocp.args.JsonSave(fingerprint(state))}
         if order is not None:
             items[LAYOUT_ITEM] = ocp.args.JsonSave(layer_order.to_json(order))
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with self._save_errors(self._in_flight):  # an earlier async save's failure lands here
+            self.manager.wait_until_finished()
+        self._in_flight = step
+        with self._save_errors(step):
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def wait(self) -> None:
+        """Block until the last save is committed (raises CheckpointSaveError if it failed)."""
+        with self._save_errors(self._in_flight):
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _save_errors(self, step: int | None):
+        try:
+            yield
+        except Exception as e:
+            kept = [s for s in _committed_steps(self.directory) if s != step]
+            previous = (f"the latest complete checkpoint, {self.directory}/{kept[-1]}, is kept"
+                        if kept else "there is no earlier checkpoint")
+            raise CheckpointSaveError(
+                f"saving checkpoint {self.directory}/{step} failed ({_reason(e)}); {previous}. "
+                "Free disk space or fix the permissions there, then rerun to resume") from e
+
+    def restore_latest(self, abstract_state, order: LayerOrder | None = None, *, warn=print):
+        """(step, state, data state) of the newest checkpoint that reads back as it was saved,
+        or None when there is none. Newer unreadable ones are renamed `<step>.unreadable`
+        (a warning names each); when all are unreadable, CheckpointCorruptError names them."""
+        unreadable: list[tuple[int, str]] = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, data_state = self.restore(step, abstract_state, order)
+                problem = None
+            except CheckpointMismatchError:
+                raise  # the config changed: not damage, and no older step would fit either
+            except Exception as e:  # truncated, garbage or missing files
+                problem = _reason(e)
+            if _any_process(problem is not None):
+                unreadable.append((step, problem or "unreadable on another process"))
+                continue
+            for bad, why in unreadable:
+                warn(f"warning: checkpoint {self.directory}/{bad} is unreadable ({why}); "
+                     f"renamed it {self._set_aside(bad).name} and resumed from step {step}")
+            if unreadable:
+                self.manager.reload()
+            return step, state, data_state
+        if unreadable:
+            raise CheckpointCorruptError(
+                f"no checkpoint in {self.directory} can be read: "
+                + "; ".join(f"step {s}: {why}" for s, why in unreadable)
+                + ". Move them out of the way or use a fresh train.workdir to start from "
+                "scratch")
+        return None
+
+    def _set_aside(self, step: int) -> pathlib.Path:
+        target = self.directory / f"{step}{SET_ASIDE_SUFFIX}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}{SET_ASIDE_SUFFIX}{n}"
+        if jax.process_index() == 0:
+            shutil.move(self.directory / str(step), target)
+        _sync_processes(f"jaxtrain_set_aside_{step}")
+        return target
 
     def restore(self, step: int, abstract_state, order: LayerOrder | None = None):
         """Restore `step` onto the shardings of `abstract_state` (ShapeDtypeStructs), whose
-        layer-stacked leaves are in `order` (default: as saved)."""
+        layer-stacked leaves are in `order` (default: as saved); CheckpointCorruptError when
+        the values differ from those saved."""
         saved = order
         if order is not None:
             saved = read_layer_order(self.directory / str(step), order.num_layers)
@@ -60,9 +154,15 @@ class Checkpointer:
                     f"configured model has {order.num_layers}; use a fresh train.workdir")
         target = abstract_state if saved == order else _in_order(abstract_state, saved)
         self._check_shapes(step, target)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        items = {"state": ocp.args.StandardRestore(target), "data": ocp.args.JsonRestore()}
+        has_fingerprint = (self.directory / str(step) / FINGERPRINT_ITEM).is_dir()
+        if has_fingerprint:  # checkpoints from before fingerprints have none
+            items[FINGERPRINT_ITEM] = ocp.args.JsonRestore()
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = restored["state"]
+        if has_fingerprint:
+            check_fingerprint(state, restored[FINGERPRINT_ITEM],
+                              f"checkpoint {self.directory}/{step}")
         if saved != order:
             shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
             state = jax.jit(lambda s: layer_order.convert(s, saved, order),
@@ -81,8 +181,71 @@ class Checkpointer:
                      "config.json), or use a fresh train.workdir")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+def _committed_steps(directory: pathlib.Path) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) \
+        if directory.is_dir() else []
+
+
+def _reason(e: BaseException) -> str:
+    """One short line for an orbax / TensorStore / OS error (theirs run to kilobytes)."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    code = re.search(r"os_error_code='(\d+)'", str(e))
+    if code:
+        return f"{os.strerror(int(code.group(1)))} ({str(e).split(':', 1)[0]})"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text.split(". See full TensorStore details")[0]
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def _any_process(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def fingerprint(state) -> dict[str, list[int]]:
+    """{leaf path: [sum of its values' bits, sum of bits x (flat index + 1)]}, both mod 2**32.
+
+    Exact integer sums, so the same values give the same fingerprint on any mesh and sharding;
+    any one changed value changes the first, moved values the second. One reduction per leaf
+    on the device; the host reads a few integers."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    sums = _fingerprint_sums([a for _, a in leaves])
+    return {_path_name(p): [int(a), int(b)] for (p, _), (a, b) in zip(leaves, jax.device_get(sums))}
+
+
+@jax.jit
+def _fingerprint_sums(arrays):
+    def sums(x):
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+        index = jnp.zeros(x.shape, jnp.uint32)
+        for axis, size in enumerate(x.shape):  # the flat (row-major) index, wrapping at 2**32
+            index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+        return jnp.sum(bits), jnp.sum(bits * (index + 1))
+    return [sums(x) for x in arrays]
+
+
+def check_fingerprint(state, saved: dict, source: str) -> None:
+    now = fingerprint(state)
+    for name, value in now.items():
+        if name in saved and list(saved[name]) != value:
+            raise CheckpointCorruptError(f"{source}: {name} does not hold the values that were "
+                                         "saved (its fingerprint differs); the files are damaged")
 
 
 def check_shapes(have, want, source: str, *, missing: str, different: str) -> None:

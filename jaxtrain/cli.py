@@ -21,6 +21,9 @@ def maybe_initialize_distributed() -> None:
     import jax
     if getattr(maybe_initialize_distributed, "done", False):
         return
+    # JAX's preemption service would catch SIGTERM in C++ before the trainer's handler is
+    # installed; jaxtrain.preemption handles SIGTERM (and SIGINT, max_runtime) itself.
+    jax.config.update("jax_enable_preemption_service", False)
     env = os.environ
     names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
     if any(n in env for n in names[1:]):

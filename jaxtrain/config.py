@@ -14,6 +14,7 @@ import difflib
 import importlib.util
 import json
 import pathlib
+import re
 import sys
 import types
 import typing
@@ -118,7 +119,15 @@ class TrainConfig:
     profile_start: int = 0
     profile_steps: int = 0  # 0: no profile
     exit_interval: int = 0  # Megatron's --exit-interval: save and exit when step % N == 0
+    # Save and exit 0 once this much wall time has passed since the trainer started (Megatron's
+    # --exit-duration-in-mins): seconds (3600), with units (90m, 23.5h, 1h30m) or SLURM's
+    # [D-]HH:MM:SS. "" never. Leave room below the scheduler's limit for one step and one save.
+    max_runtime: str = ""
     peak_tflops: float = 0.0  # 0: look up the device kind's peak
+
+    @property
+    def max_runtime_s(self) -> float:
+        return parse_duration(self.max_runtime, "train.max_runtime")
 
 
 @dataclasses.dataclass
@@ -317,6 +326,41 @@ def parse_value(key: str, raw: str, tp) -> Any:
     raise ConfigError(f"{key}: cannot parse a value of type {tp}")
 
 
+# ----------------------------------------------------------------------------- durations
+
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, key: str) -> float:
+    """Seconds in `text`: "" (0: never), seconds ("3600"), units ("90m", "1h30m", "2d") or
+    SLURM's --time forms with a colon or a dash (MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)."""
+    text = text.strip().lower()
+    if not text:
+        return 0.0
+    bad = ConfigError(f"{key}={text!r} is not a duration; write seconds (3600), with units (90m, "
+                      "23.5h, 1h30m) or as SLURM's [D-]HH:MM:SS")
+    try:
+        if re.fullmatch(r"\d+(\.\d*)?", text):
+            return float(text)
+        if re.fullmatch(r"(\d+(\.\d*)?[smhd])+", text):
+            return sum(float(n) * _UNIT_S[u] for n, _, u in
+                       re.findall(r"(\d+(\.\d*)?)([smhd])", text))
+        days, _, clock = text.rpartition("-") if "-" in text else ("0", "", text)
+        parts = [int(x) for x in clock.split(":")]
+        if "-" in text:  # D-HH[:MM[:SS]]
+            if len(parts) > 3:
+                raise bad
+            parts += [0] * (3 - len(parts))
+        elif len(parts) == 2:  # MM:SS
+            parts = [0, *parts]
+        elif len(parts) != 3:
+            raise bad
+        h, m, sec = parts
+        return float(int(days) * 86400 + h * 3600 + m * 60 + sec)
+    except ValueError:
+        raise bad from None
+
+
 # ----------------------------------------------------------------------------- validation
 
 def parse_mixture(text: str) -> list[tuple[str, str]]:
@@ -423,6 +467,7 @@ def validate(cfg: Config) -> None:
                f"parallel.fsdp x parallel.microbatches = {p.data * p.fsdp * p.microbatches}")
     _check(0 <= cfg.data.eval_fraction < 1, "data.eval_fraction must be in [0, 1)")
     _check(t.log_every >= 1, "train.log_every must be >= 1")
+    parse_duration(t.max_runtime, "train.max_runtime")  # a malformed one raises here
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
     validate_data(cfg.data)

@@ -37,14 +37,18 @@ class Throughput:
                       "mfu_full_attn": model_flops_per_token(cfg, causal=False),
                       "hfu_full_attn": hfu_flops_per_token(cfg, causal=False)}
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self._created = time.perf_counter()
         self._t, self._step = None, None
 
     @property
     def started(self) -> bool:
         return self._t is not None
 
-    def start(self, step: int) -> None:
+    def start(self, step: int) -> float:
+        """Start timing after `step` (the first, which compiled); returns the seconds since
+        this object was made (that first step's compile and run)."""
         self._t, self._step = time.perf_counter(), step
+        return self._t - self._created
 
     def measure(self, step: int) -> dict:
         now = time.perf_counter()
@@ -76,7 +80,9 @@ class MetricsWriter:
             return
         self._jsonl = open(workdir / "metrics.jsonl", "a")
         from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(str(workdir / "tensorboard"))
+        # purge_step: TensorBoard hides what an earlier attempt logged after the checkpoint
+        # this run starts from (steps it will log again), so a restart leaves no overlap.
+        self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=start_step + 1)
         from tqdm import tqdm
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                          leave=False)
@@ -125,6 +131,8 @@ def _format_line(r: dict, peak_note: str) -> str:
         return f"step {r['step']:>6} | eval loss {r['eval_loss']:.4f}"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}",
              f"lr {r['lr']:.2e}"]
+    if "first_step_time_s" in r:
+        parts.append(f"first step {r['first_step_time_s']:.1f} s (compile included)")
     if "tokens_per_sec" in r:
         parts += [f"{r['tokens_per_sec']:,.0f} tok/s",
                   f"{r['tokens_per_sec_per_device']:,.0f} tok/s/dev",

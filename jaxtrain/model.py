@@ -101,6 +101,19 @@ def _normal(std):
     return jax.nn.initializers.normal(stddev=std)
 
 
+def _real_vocab_rows(init, real_vocab: int, axis: int):
+    """`init` drawn at the real vocab size along `axis`, zero-padded to the requested size:
+    the padding (a multiple of 128·tensor) then changes no drawn value, so the same seed gives
+    the same model whatever the tensor degree. Padding rows stay zero in training (never
+    looked up; their logits are masked, so they get no gradient)."""
+    def draw(key, shape, dtype):
+        real = init(key, (*shape[:axis], real_vocab, *shape[axis + 1:]), dtype)
+        pad = [(0, 0)] * len(shape)
+        pad[axis] = (0, shape[axis] - real_vocab)
+        return jnp.pad(real, pad)
+    return draw
+
+
 class Dense(nnx.Module):
     """A projection: contracts x's last `len(in_shape)` dims with the kernel's leading dims.
 
@@ -285,8 +298,8 @@ class Llama(nnx.Module):
         self.ops = ops
         self.real_vocab = real_vocab or cfg.vocab_size
         pdt = jnp.dtype(cfg.param_dtype)
-        self.embed = _param(rngs, _normal(1.0), (cfg.vocab_size, cfg.hidden_size),
-                            ("vocab", "embed"), pdt)
+        self.embed = _param(rngs, _real_vocab_rows(_normal(1.0), self.real_vocab, axis=0),
+                            (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pdt)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -296,8 +309,10 @@ class Llama(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg, rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, _normal(1.0 / math.sqrt(cfg.hidden_size)),
-                                  (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdt)
+            self.lm_head = _param(
+                rngs, _real_vocab_rows(_normal(1.0 / math.sqrt(cfg.hidden_size)),
+                                       self.real_vocab, axis=1),
+                (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdt)
 
     # The three stages of the forward pass, separately callable so a pipeline can put the
     # embedding before and the head after its stages.

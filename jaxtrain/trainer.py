@@ -6,13 +6,15 @@
     -> final checkpoint
 
 A non-finite loss stops the run before anything is saved from that state, so the last good
-checkpoint stays the latest.
+checkpoint stays the latest. SIGTERM / SIGINT or `train.max_runtime` stop it after the step in
+flight with a checkpoint (preemption.py); every process stops after the same step.
 """
 from __future__ import annotations
 
 import json
 import pathlib
 import subprocess
+import time
 
 import jax
 import numpy as np
@@ -21,12 +23,31 @@ from jaxtrain import data as data_lib
 from jaxtrain import mfu_breakdown
 from jaxtrain import sharding, step as step_lib
 from jaxtrain.checkpoint import Checkpointer
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.metrics import MetricsWriter, Throughput, device_memory_gb
+from jaxtrain.preemption import StopRequest
 
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class WorkdirNotWritableError(ConfigError):
+    pass
+
+
+def check_writable(workdir: pathlib.Path) -> None:
+    """Fail before any compile when the run could not save what it computes."""
+    for folder in (workdir, workdir / "checkpoints"):
+        probe = folder / f".write_probe_{jax.process_index()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise WorkdirNotWritableError(
+                f"train.workdir={workdir}: cannot write to {folder} ({e.strerror}); make it "
+                "writable or set train.workdir to a folder that is") from None
 
 
 def git_commit() -> str:
@@ -81,8 +102,10 @@ def evaluate(setup, eval_step, state, batches, n_batches: int) -> float:
 def train(cfg: Config, *, log=print) -> dict:
     """Run `cfg.train.steps` steps (resuming from the workdir's latest checkpoint); returns the
     last logged metrics."""
+    started = time.monotonic()
     workdir = pathlib.Path(cfg.train.workdir)
     is_main = jax.process_index() == 0
+    check_writable(workdir)
     mesh = sharding.make_mesh(cfg.parallel)
     # Data first: a bad tokenizer, directory or mixture fails before anything compiles.
     train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())
@@ -99,10 +122,12 @@ def train(cfg: Config, *, log=print) -> dict:
         write_run_info(workdir, cfg)
 
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-    latest = ckpt.latest_step() if cfg.checkpoint.resume else None
-    if latest is not None:
-        state, data_state = ckpt.restore(latest, step_lib.abstract_train_state(setup),
-                                         setup.layer_order)
+    for path in ckpt.interrupted_saves:
+        log(f"ignored {path}: a save interrupted before it was committed (removed)")
+    restored = (ckpt.restore_latest(step_lib.abstract_train_state(setup), setup.layer_order,
+                                    warn=log) if cfg.checkpoint.resume else None)
+    if restored is not None:
+        latest, state, data_state = restored
         train_batches.set_state(data_state)
         log(f"resumed from {ckpt.directory}/{latest}")
     elif cfg.checkpoint.init_from:
@@ -122,6 +147,7 @@ def train(cfg: Config, *, log=print) -> dict:
     profile_stop = cfg.train.profile_start + cfg.train.profile_steps
     last_logged: dict = {}
     pending = None  # (step, metrics) of the step dispatched last
+    stop = StopRequest(cfg.train.max_runtime_s, started).install()
     try:
         for step in range(start, cfg.train.steps):
             if cfg.train.profile_steps and step == cfg.train.profile_start and is_main:
@@ -140,7 +166,12 @@ def train(cfg: Config, *, log=print) -> dict:
                 mfu_breakdown.after_profile(workdir, train_step.lower(state, batch),
                                             writer.console)
             done = step + 1
-            exiting = bool(cfg.train.exit_interval) and done % cfg.train.exit_interval == 0
+            stopping = stop.poll()
+            if stopping:
+                writer.console(f"{stop.reason()}: stopping after step {done} with a checkpoint "
+                               "(a second signal exits at once)")
+            exiting = stopping or (bool(cfg.train.exit_interval)
+                                   and done % cfg.train.exit_interval == 0)
             saving = ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
                       or done == cfg.train.steps or exiting)
             evaluating = eval_step is not None and done % cfg.train.eval_every == 0
@@ -154,12 +185,17 @@ def train(cfg: Config, *, log=print) -> dict:
                 last_logged = {**last_logged, "eval_loss": loss}
             if saving:
                 ckpt.save(done, state, train_batches.get_state(), setup.layer_order)
+            if stopping:
+                ckpt.wait()
+                writer.console(f"saved {ckpt.directory}/{done}; rerun to resume")
+                break
             if exiting and done < cfg.train.steps:
                 writer.console(f"exiting at step {done} (train.exit_interval); rerun to resume")
                 break
         if pending is not None:
             last_logged = _finish(pending, cfg, throughput, writer) or last_logged
     finally:
+        stop.uninstall()
         ckpt.close()
         writer.close()
     return last_logged
@@ -174,13 +210,15 @@ def _finish(pending, cfg: Config, throughput: Throughput, writer: MetricsWriter)
         raise NonFiniteLossError(
             f"loss became {loss} at step {done}; stopping without saving this state (the last "
             "good checkpoint is kept). Lower train.lr, raise train.warmup_steps or check the data")
-    if not throughput.started:  # the first step includes compilation: time from its end
-        throughput.start(done)
-        return None
-    if done % cfg.train.log_every and done != cfg.train.steps:
-        return None
     record = {k: float(v) for k, v in metrics.items()}
-    record.update(throughput.measure(done))
+    if not throughput.started:
+        # The first step after a start is always logged (no hole in the curves at a restart);
+        # its time includes compilation, so it is reported apart and throughput starts after it.
+        record["first_step_time_s"] = throughput.start(done)
+    elif done % cfg.train.log_every and done != cfg.train.steps:
+        return None
+    else:
+        record.update(throughput.measure(done))
     record["memory_gb"] = device_memory_gb()
     writer.write(done, record)
     return record

@@ -65,3 +65,19 @@ def test_config_json_round_trip():
     cfg = load_config("configs/llama405b.py")
     again = from_dict(__import__("json").loads(cfg.to_json()))
     assert again == cfg
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("", 0), ("3600", 3600), ("90m", 5400), ("1h30m", 5400), ("23.5h", 84600), ("2d", 172800),
+    ("10:00", 600), ("23:50:00", 85800), ("1-12", 129600), ("1-12:30", 131400),
+    ("2-00:00:30", 172830)])
+def test_max_runtime_takes_seconds_units_and_slurm_times(text, seconds):
+    cfg = load_config("configs/tiny.py", [f"--train.max_runtime={text}"])
+    assert cfg.train.max_runtime_s == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "5x", "1:2:3:4", "-5", "1.5:00"])
+def test_malformed_max_runtime_fails_at_load(text):
+    with pytest.raises(ConfigError, match=r"train.max_runtime=.* is not a duration; write "
+                                          r"seconds \(3600\)"):
+        load_config("configs/tiny.py", [f"--train.max_runtime={text}"])

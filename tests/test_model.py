@@ -81,6 +81,21 @@ def test_padded_vocab_is_masked_out_of_the_loss():
     assert np.all(np.asarray(logits[..., 300:]) < -1e29)
 
 
+def test_padding_changes_no_drawn_weight():
+    """The same seed draws the same model at every padded vocab size (tensor degree): the real
+    rows as an unpadded model draws them, zero padding, every later parameter unchanged."""
+    def params(vocab):
+        cfg = ModelConfig(**{**CFG.__dict__, "vocab_size": vocab})
+        model = model_lib.Llama(cfg, rngs=nnx.Rngs(0), real_vocab=300)
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    plain, padded = params(300), params(512)
+    np.testing.assert_array_equal(padded["embed"][:300], plain["embed"])
+    np.testing.assert_array_equal(padded["lm_head"][:, :300], plain["lm_head"])
+    assert not np.any(padded["embed"][300:]) and not np.any(padded["lm_head"][:, 300:])
+    rest = lambda p: {k: v for k, v in p.items() if k not in ("embed", "lm_head")}  # noqa: E731
+    jax.tree.map(np.testing.assert_array_equal, rest(padded), rest(plain))
+
+
 def test_bf16_compute_keeps_fp32_logits_and_params():
     cfg = ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"})
     model = _model(cfg)

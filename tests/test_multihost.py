@@ -12,6 +12,7 @@ consumed), so the two-process run's checkpoint resumes in one process with the s
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -98,3 +99,27 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path):
     assert {5, 6} <= set(got)
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
                                rtol=1e-5)
+
+
+def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
+    """SLURM may signal only some tasks: the other process learns it through the per-step
+    agreement and both save the same step and exit 0 (no process waits in a collective)."""
+    workdir = tmp_path / "run"
+    coordinator = f"127.0.0.1:{_free_port()}"
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, "train.py", *ARGS, "--train.steps=200", f"--train.workdir={workdir}"],
+        cwd=ROOT, stdout=logs[i].open("w"), stderr=subprocess.STDOUT,
+        env=_env(4, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES="2",
+                 JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")) for i in range(2)]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ((workdir / "metrics.jsonl").exists() and len(_losses(workdir)) >= 2):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    _wait(procs, logs)
+    stopped = max(_losses(workdir))
+    assert stopped < 200
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(stopped)]
+    assert (f"another process was asked to stop: stopping after step {stopped}"
+            in logs[0].read_text())

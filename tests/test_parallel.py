@@ -1,9 +1,16 @@
 """Every parallel layout computes what one device computes (fp32, 2 steps)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
 
-from jaxtrain import sharding, step
+from jaxtrain import sharding, step, trainer
+from jaxtrain.config import load_config
 from jaxtrain.ledger.layout import LayoutError
 from util import random_batch, tiny_config
 
@@ -79,3 +86,37 @@ def test_sequence_parallel_without_tensor_is_a_config_error():
     from jaxtrain.config import ConfigError
     with pytest.raises(ConfigError, match="needs parallel.tensor > 1"):
         tiny_config("--parallel.sequence_parallel=true")
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The recipe users run, small enough for the suite; vocab 384 pads to 384 at tensor=1 and to
+# 512 at tensor=2, so the comparison covers the padded-vocab initialisation.
+TRAIN_ARGS = ["--train.steps=3", "--train.log_every=1", "--train.eval_every=0",
+              "--model.num_layers=2", "--train.seq_len=64", "--data.corpus_max_bytes=400000",
+              "--checkpoint.async_save=false"]
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_trainer_from_one_seed_gives_one_model_on_any_layout(tmp_path):
+    """`python train.py` on one device and the trainer at data=2 fsdp=2 tensor=2+SP, from the
+    same seed, train the same model: the layout changes neither the initial weights nor the
+    losses."""
+    one = tmp_path / "one_device"
+    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
+        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1")}
+    out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.py", *TRAIN_ARGS,
+                          "--parallel.data=1", f"--train.workdir={one}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    layout = tmp_path / "layout"
+    trainer.train(load_config(ROOT / "configs/tiny.py", [
+        *TRAIN_ARGS, "--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
+        "--parallel.sequence_parallel=true", f"--train.workdir={layout}"]))
+    want, got = _losses(one), _losses(layout)
+    assert sorted(want) == sorted(got) == [1, 2, 3]
+    np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [want[s] for s in (1, 2, 3)],
+                               rtol=1e-5)

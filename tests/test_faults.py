@@ -1,0 +1,313 @@
+"""Preemption, kills, damaged checkpoints and full or read-only disks: nothing is lost or
+silently restarted.
+
+Signals and kills go to a real `python train.py` subprocess; the runs that only restart go
+through `trainer.train` in-process. Every run uses the same recipe and step count, so any
+resumed run must reproduce the uninterrupted reference bit for bit.
+"""
+import json
+import os
+import pathlib
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jaxtrain import trainer
+from jaxtrain.checkpoint import CheckpointCorruptError
+from jaxtrain.config import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 40
+ARGS = [f"--train.steps={STEPS}", "--train.log_every=1", "--train.eval_every=0",
+        "--model.num_layers=2", "--model.hidden_size=64", "--model.mlp_size=128",
+        "--train.seq_len=32", "--train.global_batch=8", "--data.corpus_max_bytes=400000"]
+TIMEOUT_S = 300
+
+
+def _config(workdir, *extra):
+    return load_config(ROOT / "configs/tiny.py", [*ARGS, *extra, f"--train.workdir={workdir}"])
+
+
+def _records(workdir: pathlib.Path) -> list[dict]:
+    path = workdir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(workdir) if "loss" in r}
+
+
+def _steps(workdir: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in (workdir / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    trainer.train(_config(workdir, "--checkpoint.async_save=false"), log=lambda *_: None)
+    losses = _losses(workdir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def _launch(workdir, *extra, faults=()) -> subprocess.Popen:
+    """`python train.py` on the recipe (under tests/faulty_train.py's `faults`); its output
+    goes through a pipe (not subject to the child's file-size limit) to <workdir>.log."""
+    runner = [str(ROOT / "tests/faulty_train.py"), *faults, "--"] if faults else []
+    command = [*(runner or [str(ROOT / "train.py")]), "--config", "configs/tiny.py", *ARGS,
+               *extra, f"--train.workdir={workdir}"]
+    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+    def copy(log=workdir.parent / f"{workdir.name}.log"):
+        with log.open("ab") as out:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+    proc.copier = threading.Thread(target=copy, daemon=True)
+    proc.copier.start()
+    return proc
+
+
+def _output(workdir) -> str:
+    return (workdir.parent / f"{workdir.name}.log").read_text()
+
+
+def _error_line(workdir) -> str:
+    """train.py's one-line error (orbax's own logs may follow it)."""
+    lines = [x.strip() for x in _output(workdir).splitlines() if x.strip().startswith("error:")]
+    assert len(lines) == 1, _output(workdir)[-3000:]
+    return lines[0]
+
+
+def _wait_for(condition, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"never saw {what}; exit {proc.poll()}")
+        time.sleep(0.02)
+
+
+def _finish(proc: subprocess.Popen, workdir) -> int:
+    try:
+        return proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.copier.join(timeout=30)
+        print(_output(workdir)[-3000:])
+
+
+def _tensorboard_steps(workdir: pathlib.Path, tag: str) -> list[int]:
+    """The steps of `tag`'s curve as TensorBoard shows it: events files in order, a session
+    START at step T (tensorboardX's purge_step) hiding what earlier files logged at >= T."""
+    from tensorboardX.proto.event_pb2 import Event
+    steps: list[int] = []
+    for path in sorted((workdir / "tensorboard").glob("events.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):  # TFRecord: length u64, crc u32, payload, crc u32
+            (length,) = struct.unpack_from("<Q", data, offset)
+            event = Event.FromString(data[offset + 12: offset + 12 + length])
+            offset += 16 + length
+            if event.session_log.status == event.session_log.START:
+                steps = [s for s in steps if s < event.step]
+            steps += [event.step for v in event.summary.value if v.tag == tag]
+    return steps
+
+
+# ----------------------------------------------------------------------------- signals
+
+def test_sigterm_saves_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
+    workdir = tmp_path / "run"
+    proc = _launch(workdir)  # async saves: the exit waits for the save
+    _wait_for(lambda: len(_records(workdir)) >= 2, proc, "step 2 logged")
+    proc.send_signal(signal.SIGTERM)
+    assert _finish(proc, workdir) == 0
+    stopped = max(_losses(workdir))
+    assert stopped < STEPS, "the run ended before the signal; make the test run longer"
+    assert f"SIGTERM received: stopping after step {stopped}" in _output(workdir)
+    assert _steps(workdir) == [str(stopped)]  # committed, nothing left half-written
+
+    trainer.train(_config(workdir))  # resume (the first step after it is logged too)
+    assert _losses(workdir) == reference  # every step, bit-exact
+    records = _records(workdir)
+    assert [r["step"] for r in records if "first_step_time_s" in r] == [1, stopped + 1]
+    assert _tensorboard_steps(workdir, "loss") == list(range(1, STEPS + 1))  # no hole
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    workdir, marker = tmp_path / "run", tmp_path / "committing"
+    proc = _launch(workdir, faults=["--slow-commit", str(marker), "1"])
+    _wait_for(lambda: len(_records(workdir)) >= 2, proc, "step 2 logged")
+    proc.send_signal(signal.SIGTERM)
+    _wait_for(marker.exists, proc, "the stop checkpoint being committed")
+    proc.send_signal(signal.SIGTERM)  # the commit now waits ten minutes; this must not
+    assert _finish(proc, workdir) == -signal.SIGTERM
+    assert [p for p in _steps(workdir) if p.isdigit()] == []  # never committed
+
+
+def test_max_runtime_stops_with_a_checkpoint(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    trainer.train(_config(workdir, "--train.max_runtime=0.5s"))  # passes during step 1
+    stopped = max(_losses(workdir))
+    assert stopped < STEPS and _steps(workdir) == [str(stopped)]
+    assert f"train.max_runtime reached: stopping after step {stopped}" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- kill -9
+
+def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
+    workdir, marker = tmp_path / "run", tmp_path / "committing"
+    proc = _launch(workdir, "--checkpoint.every=2", faults=["--slow-commit", str(marker), "4"])
+    _wait_for(marker.exists, proc, "step 4's save being committed")
+    proc.send_signal(signal.SIGKILL)
+    assert _finish(proc, workdir) == -signal.SIGKILL
+    assert _steps(workdir) == ["2", "4.orbax-checkpoint-tmp"]
+    partial = workdir / "checkpoints" / "4.orbax-checkpoint-tmp"
+    assert (partial / "commit_success.txt").exists()  # every byte written, only not committed
+
+    logged = []
+    trainer.train(_config(workdir, "--checkpoint.every=2"), log=logged.append)
+    assert any(f"ignored {partial}: a save interrupted" in line for line in logged), logged
+    assert any(line.endswith("checkpoints/2") and "resumed from" in line for line in logged)
+    assert _losses(workdir) == reference  # steps 3.. logged again by the resumed run
+
+
+# ----------------------------------------------------------------------------- damage
+
+def _truncate(step_dir: pathlib.Path) -> None:
+    largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+
+
+def _overwrite_values(step_dir: pathlib.Path) -> None:
+    """Same size, other bytes in the array data. TensorStore notices when they break a
+    compressed chunk; when they do not, it returns the other values (measured: NaN losses
+    two steps later) and only the fingerprint sees it."""
+    largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 3: len(data) // 3 + 64] = bytes(range(64))
+    largest.write_bytes(bytes(data))
+
+
+def _garbage_metadata(step_dir: pathlib.Path) -> None:
+    (step_dir / "state" / "_METADATA").write_bytes(b"\x00garbage" * 20)
+
+
+def _other_fingerprint(step_dir: pathlib.Path) -> None:
+    """The values as saved, a record of other ones: what the fingerprint check reports when
+    the array files changed and still decode."""
+    path = step_dir / "fingerprint" / "metadata"
+    saved = json.loads(path.read_text())
+    saved["params/embed"][1] ^= 1
+    path.write_text(json.dumps(saved))
+
+
+@pytest.fixture(scope="module")
+def stopped_at_6(tmp_path_factory) -> pathlib.Path:
+    """Checkpoints 2, 4, 6 of the reference recipe (exit_interval stops it after 6)."""
+    workdir = tmp_path_factory.mktemp("stopped_at_6")
+    trainer.train(_config(workdir, "--checkpoint.every=2", "--train.exit_interval=6",
+                          "--checkpoint.async_save=false"), log=lambda *_: None)
+    assert _steps(workdir) == ["2", "4", "6"]
+    return workdir
+
+
+@pytest.mark.parametrize("damage", [_truncate, _overwrite_values, _garbage_metadata,
+                                    _other_fingerprint])
+def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, stopped_at_6, reference,
+                                                             damage):
+    workdir = tmp_path / "run"
+    shutil.copytree(stopped_at_6, workdir)
+    damage(workdir / "checkpoints" / "6")
+    logged = []
+    trainer.train(_config(workdir, "--checkpoint.every=2"), log=logged.append)
+    warning = [line for line in logged if line.startswith("warning:")]
+    assert len(warning) == 1 and "checkpoints/6 is unreadable" in warning[0], logged
+    if damage is _other_fingerprint:
+        assert "params/embed does not hold the values that were saved" in warning[0]
+    assert "renamed it 6.unreadable and resumed from step 4" in warning[0]
+    assert (workdir / "checkpoints" / "6.unreadable").is_dir()  # kept for inspection
+    assert _losses(workdir) == reference
+
+
+def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, stopped_at_6):
+    workdir = tmp_path / "run"
+    shutil.copytree(stopped_at_6, workdir)
+    for step, damage in (("2", _garbage_metadata), ("4", _truncate), ("6", _other_fingerprint)):
+        damage(workdir / "checkpoints" / step)
+    before = _records(workdir)
+    for _ in range(2):  # and again on the next attempt: nothing was renamed or overwritten
+        with pytest.raises(CheckpointCorruptError, match=r"step 6: .*fingerprint.*; step 4: .*"
+                           r"; step 2: .*JSONDecodeError"):
+            trainer.train(_config(workdir))
+        assert _steps(workdir) == ["2", "4", "6"] and _records(workdir) == before
+
+
+# ----------------------------------------------------------------------------- full, read-only
+
+def test_a_full_disk_at_save_time_is_an_error_that_keeps_the_previous_checkpoint(
+        tmp_path, stopped_at_6, reference):
+    workdir = tmp_path / "run"
+    shutil.copytree(stopped_at_6, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "4")
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    # Files stop growing at 100 kB: checkpoint data files are larger, the logs smaller.
+    proc = _launch(workdir, "--checkpoint.every=4", "--checkpoint.keep=1",
+                   faults=["--file-size-limit", "100000"])
+    assert _finish(proc, workdir) == 2
+    error = _error_line(workdir)
+    assert "saving checkpoint" in error and "checkpoints/4 failed (File too large" in error
+    assert "the latest complete checkpoint" in error and "checkpoints/2, is kept" in error
+    assert _steps(workdir) == ["2", "4.orbax-checkpoint-tmp"]
+    trainer.train(_config(workdir))  # room again: resumes from 2
+    assert _losses(workdir) == reference
+
+
+def test_a_read_only_workdir_is_refused_before_anything_runs(tmp_path, stopped_at_6):
+    workdir = tmp_path / "run"
+    shutil.copytree(stopped_at_6, workdir)
+    before = _steps(workdir)
+    (workdir / "checkpoints").chmod(0o555)
+    try:
+        proc = _launch(workdir, faults=["--no-root-override"])
+        assert _finish(proc, workdir) == 2
+    finally:
+        (workdir / "checkpoints").chmod(0o755)
+    assert _error_line(workdir) == (
+        f"error: train.workdir={workdir}: cannot write to {workdir}/checkpoints (Permission "
+        "denied); make it writable or set train.workdir to a folder that is")
+    assert _steps(workdir) == before
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+def test_fingerprint_sees_one_changed_or_two_swapped_values_on_any_sharding():
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxtrain.checkpoint import fingerprint
+    x = np.random.default_rng(0).standard_normal((16, 24)).astype(np.float32)
+    changed = x.copy()
+    changed[3, 5] = np.nextafter(changed[3, 5], np.float32(np.inf))  # one ulp
+    swapped = x.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+    base = fingerprint({"x": x})["x"]
+    assert fingerprint({"x": sharded})["x"] == base  # exact integers: sharding-independent
+    assert fingerprint({"x": changed})["x"][0] != base[0]
+    swapped_fp = fingerprint({"x": swapped})["x"]
+    assert swapped_fp[0] == base[0] and swapped_fp[1] != base[1]  # the weighted sum sees it
