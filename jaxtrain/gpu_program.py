@@ -5,10 +5,11 @@ folder (`compiler_options={"xla_dump_to": DIR}`):
 
 - `gemms`: every matmul by what runs it — a cuBLASLt GEMM (bf16/fp16/fp32, or FP8 with its
   scales fused), a Triton GEMM fusion, or a plain dot — with its FLOPs per step.
-- `async_collectives`: every collective with its start/done pair and whether compute is
-  scheduled between the two (the static overlap: XLA:GPU prints a scheduled module, so the
-  instruction order is the execution order of one stream; a collective with nothing between
-  start and done, or a synchronous one, is exposed whatever the hardware does).
+- `async_collectives`: every collective with its start/done pair and whether a matmul-class
+  kernel (or a loop holding them) is scheduled between the two (the static overlap: XLA:GPU
+  prints a scheduled module, so the instruction order is the execution order of the compute
+  stream; a collective with only elementwise work, or nothing, between start and done, or a
+  synchronous one, is exposed whatever the hardware does).
 - `kernels`: each Pallas (Triton custom-call) kernel's grid, threads and shared memory from
   the thunk sequence, and its registers and spills from ptxas (the nvidia-cuda-nvcc wheel
   that jax[cuda12] installs) run on the kernel's PTX for sm_90a.
@@ -23,11 +24,11 @@ from typing import Any
 
 from jaxtrain import hlo
 
-# Opcodes that schedule no work on the device: between an async start and its done they
-# leave the collective exposed.
-_NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-            "partition-id", "replica-id", "add-dependency", "opt-barrier", "copy-start",
-            "copy-done", "send", "send-done", "recv", "recv-done"}
+# Between an async collective's start and done, what hides it: a matmul-class kernel (a GEMM
+# custom call or fusion, a Pallas/cuDNN kernel) or a loop or call (whose bodies hold them).
+# Elementwise fusions, slices and copies take microseconds next to a weight's all-gather.
+_CALL_OPS = {"while", "conditional", "call"}
+_KERNEL_TARGET = re.compile(r'custom_call_target="(?:__cublas|__cudnn|__gpu\$xla\.gpu\.triton)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +141,16 @@ def async_collectives(text: str, mesh: Any) -> list[AsyncCollective]:
             if done is None:
                 raise hlo.HloParseError(f"async %{instr.name} has no -done in {comp.name}")
             between = comp.instrs[k + 1:done]
-            work = any(i.opcode not in _NO_WORK and not i.opcode.endswith(("-start", "-done"))
-                       for i in between)
-            out.append(AsyncCollective(coll, True, work))
+            out.append(AsyncCollective(coll, True, any(map(_hides, between))))
     return out
+
+
+def _hides(instr) -> bool:
+    if instr.opcode in _CALL_OPS or instr.opcode == "dot":
+        return True
+    if instr.opcode == "custom-call":
+        return bool(_KERNEL_TARGET.search(instr.attrs))
+    return instr.opcode == "fusion" and bool(_FUSION_KIND_RE.search(instr.attrs))
 
 
 def overlap_by_axis(acs: list[AsyncCollective]) -> dict[tuple | None, tuple[float, float]]:

@@ -39,6 +39,7 @@ REMAT_TAGS = ("layer_input", "attn_norm", "qkv_proj", "core_attn", "attn_out", "
               "mlp_in", "mlp_act", "mlp_out")
 
 
+
 def identity_constrain(x, names):
     del names
     return x
@@ -56,6 +57,8 @@ class Fp8Layers:
 class Ops:
     """What the model lets the outside world choose: how to matmul, how to shard, how to attend.
 
+    `embed_lookup(table_VD, tokens_BS) -> x_BSD` looks tokens up in the (compute-dtype)
+    table; on a mesh sharding supplies one that never gathers the table.
     `run_layers(block_fn, x_BSD, stacked_layer_state) -> x_BSD` runs the layer stack; the
     default is a plain scan, `remat` supplies checkpointed and grouped scans. When the stack
     runs as several layer ranges (FP8 with bf16 first/last layers), `span_runner(start, stop)`
@@ -64,6 +67,7 @@ class Ops:
     dot_general: DotGeneral = jax.lax.dot_general
     constrain: Constrain = identity_constrain
     attention: Callable = attention_lib.xla_attention
+    embed_lookup: Callable = None   # (table_VD, tokens_BS) -> x_BSD; default jnp.take
     run_layers: Optional[Callable] = None
     fp8: Optional[Fp8Layers] = None
     span_runner: Optional[Callable[[int, int], Callable]] = None
@@ -133,7 +137,18 @@ class Dense(nnx.Module):
             self.fp8_meta = Fp8MetaState(fp8_lib.init_meta(ops.fp8.recipe))
 
     def __call__(self, x, fp8: bool = False):
-        w = self.kernel[...].astype(self.compute_dtype)
+        return self.apply(x, self.weights(), fp8)
+
+    def weights(self):
+        """(kernel, FP8 meta or None): what `apply` computes with, as arrays."""
+        return self.kernel[...], (self.fp8_meta.get_value() if self.ops.fp8 is not None
+                                  else None)
+
+    def apply(self, x, weights, fp8: bool = False):
+        """The projection of x with `weights` (from `weights()`), reading no variable itself:
+        callable where only explicit arrays may enter (a custom VJP's function)."""
+        kernel, meta = weights
+        w = kernel.astype(self.compute_dtype)
         n = self.n_in
         dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
         x = x.astype(self.compute_dtype)
@@ -141,9 +156,40 @@ class Dense(nnx.Module):
             if self.ops.fp8 is None:
                 raise fp8_lib.Fp8Error(f"{self.name}: fp8=True but the model was built without "
                                        "Ops.fp8 (no FP8 meta); set fp8.enabled=true")
-            return fp8_lib.fp8_dot_general(x, w, dims, meta=self.fp8_meta.get_value(),
-                                           cfg=self.ops.fp8.recipe, name=self.name)
+            return fp8_lib.fp8_dot_general(x, w, dims, meta=meta, cfg=self.ops.fp8.recipe,
+                                           name=self.name)
         return self.ops.dot_general(x, w, dims)
+
+
+def project_gathered(gather, x, projections, fp8: bool):
+    """The projections (Dense) of gather(x), the whole sequence, gathered once for all of them;
+    the backward gathers x again for the weight gradients instead of keeping gather(x)
+    (Megatron-SP: a layer keeps its sequence-parallel shard). Left to GSPMD, each projection
+    gathers x itself and again in the backward (14 sequence-sized all-gathers per layer, 6
+    here); a gather shared and kept holds the whole sequence per layer (+20 GiB at Llama 70B,
+    tensor=8). Without sequence parallelism `gather` is the identity and nothing changes.
+
+    The backward re-traces the projections for their VJP; their forward GEMMs, unused there,
+    are dead code XLA removes (the compiled matmul FLOPs are unchanged)."""
+    def run(xg, weights):
+        return tuple(p.apply(xg, w, fp8) for p, w in zip(projections, weights))
+
+    @jax.custom_vjp
+    def projected(x, weights):
+        return run(gather(x), weights)
+
+    def fwd(x, weights):
+        return run(gather(x), weights), (x, weights)
+
+    def bwd(saved, cts):
+        x, weights = saved
+        xg, pull_gather = jax.vjp(gather, x)
+        _, pull = jax.vjp(run, xg, weights)
+        d_xg, d_weights = pull(cts)
+        return pull_gather(d_xg)[0], d_weights
+
+    projected.defvjp(fwd, bwd)
+    return projected(x, tuple(p.weights() for p in projections))
 
 
 class RMSNorm(nnx.Module):
@@ -164,6 +210,40 @@ def _elementwise_recomputed(fn):
     where Megatron keeps 3). The inputs are kept anyway (the residual stream, the in-projection
     outputs), so this costs no memory and a few elementwise passes."""
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+def _gather_sequence(constrain):
+    """x -> x with every position (the projections' input), from its SP shards."""
+    return lambda x_BSD: constrain(x_BSD, ("batch", None, "embed"))
+
+
+def _split_sequence(constrain):
+    """y -> y in the residual stream's layout (split over the sequence under SP)."""
+    return lambda y_BSD: constrain(y_BSD, ("batch", "length", "embed"))
+
+
+def project_scattered(gather, scatter, x, projection, fp8: bool):
+    """scatter(projection(x)): a row-parallel projection whose output joins the residual
+    stream (reduce-scattered over the sequence under sequence parallelism). Its backward
+    gathers the output's cotangent once for both of the projection's gradients (GSPMD left to
+    itself gathers it once per gradient GEMM: 2 of the 8 sequence-sized all-gathers a layer
+    would run)."""
+    weights = projection.weights()
+    apply = lambda x_, w_: projection.apply(x_, w_, fp8)  # noqa: E731
+
+    @jax.custom_vjp
+    def projected(x, weights):
+        return scatter(apply(x, weights))
+
+    def fwd(x, weights):
+        y, pull = jax.vjp(apply, x, weights)   # keeps what autodiff would keep
+        return scatter(y), pull
+
+    def bwd(pull, ct):
+        return pull(gather(ct))
+
+    projected.defvjp(fwd, bwd)
+    return projected(x, weights)
 
 
 def rms_norm(x_BSD, scale_D, eps: float, compute_dtype):
@@ -231,17 +311,18 @@ class Attention(nnx.Module):
         self.ops = ops
 
     def __call__(self, x_BSD, cos, sin, segment_ids_BS, fp8: bool = False):
+        """x_BSD: the norm output, split over the sequence under sequence parallelism."""
         c = self.ops.constrain
-        q_BSHE = c(checkpoint_name(self.wq(x_BSD, fp8), "qkv_proj"),
-                   ("batch", None, "heads", None))
-        k_BSKE = c(checkpoint_name(self.wk(x_BSD, fp8), "qkv_proj"),
-                   ("batch", None, "kv_heads", None))
-        v_BSKE = c(checkpoint_name(self.wv(x_BSD, fp8), "qkv_proj"),
-                   ("batch", None, "kv_heads", None))
+        q_BSHE, k_BSKE, v_BSKE = project_gathered(_gather_sequence(c), x_BSD,
+                                                  (self.wq, self.wk, self.wv), fp8)
+        q_BSHE = c(checkpoint_name(q_BSHE, "qkv_proj"), ("batch", None, "heads", None))
+        k_BSKE = c(checkpoint_name(k_BSKE, "qkv_proj"), ("batch", None, "kv_heads", None))
+        v_BSKE = c(checkpoint_name(v_BSKE, "qkv_proj"), ("batch", None, "kv_heads", None))
         q_BSHE, k_BSKE = apply_rope(q_BSHE, cos, sin), apply_rope(k_BSKE, cos, sin)
         o_BSHE = self.ops.attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS)
         o_BSHE = c(checkpoint_name(o_BSHE, "core_attn"), ("batch", None, "heads", None))
-        return checkpoint_name(self.wo(o_BSHE, fp8), "attn_out")
+        return checkpoint_name(project_scattered(_gather_sequence(c), _split_sequence(c), o_BSHE,
+                                                 self.wo, fp8), "attn_out")
 
 
 class Mlp(nnx.Module):
@@ -258,11 +339,15 @@ class Mlp(nnx.Module):
         self.ops = ops
 
     def __call__(self, x_BSD, fp8: bool = False):
+        """x_BSD: the norm output, split over the sequence under sequence parallelism."""
         c = self.ops.constrain
-        gate_BSF = c(checkpoint_name(self.w_gate(x_BSD, fp8), "mlp_in"), ("batch", None, "mlp"))
-        up_BSF = c(checkpoint_name(self.w_up(x_BSD, fp8), "mlp_in"), ("batch", None, "mlp"))
+        gate_BSF, up_BSF = project_gathered(_gather_sequence(c), x_BSD,
+                                            (self.w_gate, self.w_up), fp8)
+        gate_BSF = c(checkpoint_name(gate_BSF, "mlp_in"), ("batch", None, "mlp"))
+        up_BSF = c(checkpoint_name(up_BSF, "mlp_in"), ("batch", None, "mlp"))
         h_BSF = checkpoint_name(swiglu(gate_BSF, up_BSF), "mlp_act")
-        return checkpoint_name(self.w_down(h_BSF, fp8), "mlp_out")
+        return checkpoint_name(project_scattered(_gather_sequence(c), _split_sequence(c), h_BSF,
+                                                 self.w_down, fp8), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -318,12 +403,11 @@ class Llama(nnx.Module):
     # embedding before and the head after its stages.
     def embed_tokens(self, tokens_BS):
         c = self.ops.constrain
-        # The table as it is computed with: whole over `embed` (FSDP gathers it like any weight),
-        # split over `vocab`, so the lookup is vocab-parallel (masked lookup, partial sums reduced
-        # over tensor) instead of whatever GSPMD picks for a 2-D sharded gather.
-        table_VD = c(self.embed[...], ("vocab", "embed"))
-        x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(jnp.dtype(self.cfg.compute_dtype))
-        x_BSD = c(x_BSD, ("batch", None, "embed"))  # whole sequence: reduce, then split for SP
+        table_VD = self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype))
+        if self.ops.embed_lookup is None:
+            x_BSD = jnp.take(table_VD, tokens_BS, axis=0)
+        else:
+            x_BSD = self.ops.embed_lookup(table_VD, tokens_BS)
         return c(x_BSD, ("batch", "length", "embed"))
 
     def block_fn(self):
@@ -358,8 +442,12 @@ class Llama(nnx.Module):
         h_BSD = self.final_norm(x_BSD)
         w_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         w_DV = self.ops.constrain(w_DV, ("embed", "vocab"))  # gathered once, vocab-parallel
+        # The GEMM writes the compute dtype (fp32 accumulation inside), as Megatron's and
+        # MaxText's heads do: its weight gradient is then a compute-dtype GEMM, reduce-scattered
+        # over fsdp in that dtype (an fp32 one was all-reduced: 3.7 GB per step on the wire at
+        # Llama 3 8B, fsdp=8). Softmax and the loss run in fp32.
         logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, w_DV.astype(h_BSD.dtype),
-                                preferred_element_type=jnp.float32)
+                                preferred_element_type=h_BSD.dtype).astype(jnp.float32)
         if self.real_vocab < self.cfg.vocab_size:
             is_real_V = jnp.arange(self.cfg.vocab_size) < self.real_vocab
             logits_BSV = jnp.where(is_real_V, logits_BSV, -1e30)

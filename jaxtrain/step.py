@@ -89,7 +89,9 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
     attention = sharding.shard_attention(
         attention_lib.select(cfg.model, sharding.platform(mesh)), mesh)
     fp8 = fp8_layers(cfg)
-    return model_lib.Ops(constrain=constrain, attention=attention,
+    lookup = (sharding.ShardedLookup(mesh, cfg.parallel.sequence_parallel)
+              if mesh is not None and mesh.size > 1 else None)
+    return model_lib.Ops(constrain=constrain, attention=attention, embed_lookup=lookup,
                          run_layers=remat.layer_runner(cfg.remat), fp8=fp8,
                          span_runner=remat.span_runner(cfg.remat) if fp8 is not None else None)
 
