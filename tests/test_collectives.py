@@ -104,15 +104,23 @@ def expected_bytes(cfg, setup) -> dict[tuple, float]:
             out[("data",), "reduce"] += dp / 2 + n["norm"] * WIDTH * (1 - 1 / layout.fsdp)
 
     if layout.fsdp > 1:
-        # Ledger: per microbatch, all-gather forward + all-gather backward + reduce-scatter.
-        fsdp = comm.fsdp_bytes(layout, n_local) * scale
-        out[("fsdp",), "reduce"] += fsdp / 3  # norm grads are all-reduced: same payload
-        # Embedding table and lm_head live outside the layer scan: loop-invariant, so XLA
-        # gathers each once per step and keeps it (the table's backward is a scatter-add that
-        # needs no weights; nothing outside the scan is rematerialised). Norm scales are
-        # replicated over fsdp and never gathered.
-        out[("fsdp",), "gather"] += (2 * fsdp / 3 - (2 * m - 1) * (n["embed"] + n["head"]) * WIDTH
-                                     - 2 * m * n["norm"] * WIDTH)
+        # Ledger: the layers' weights gathered in each forward and backward pass and their
+        # gradients reduce-scattered in each backward one (L.m passes each).
+        layers = comm.fsdp_layer_bytes(layout, n["layer"], comm.layer_passes(
+            layout, (L,), None)) / L * scale  # n["layer"] holds all L layers' elements
+        out[("fsdp",), "gather"] += 2 * layers / 3
+        out[("fsdp",), "reduce"] += layers / 3
+        # The head gathered once per step (loop-invariant: outside the microbatch scan), its
+        # gradient reduce-scattered per microbatch; norm scales are replicated over fsdp,
+        # never gathered, their gradients all-reduced (the same payload) per microbatch.
+        out[("fsdp",), "gather"] += n["head"] * WIDTH
+        out[("fsdp",), "reduce"] += m * (n["head"] + n["norm"]) * WIDTH
+        # The embedding table never moves: the lookup gathers the token ids (int32) and trades
+        # the looked-up rows for all of D in one all-to-all, and back in the backward.
+        b, s_, d = layout.micro_batch, cfg.train.seq_len, cfg.model.hidden_size
+        s_local = s_ // t if layout.sequence_parallel else s_
+        out[("fsdp",), "gather"] += m * layout.fsdp * b * s_ * 4
+        out[("fsdp",), "all-to-all"] += m * 2 * b * s_local * d * WIDTH
 
     if t > 1:
         b, s, d = layout.micro_batch, cfg.train.seq_len, cfg.model.hidden_size
@@ -122,14 +130,16 @@ def expected_bytes(cfg, setup) -> dict[tuple, float]:
         tp = comm.tp_bytes_per_layer_microbatch(cfg, layout, s) * scale
         # CPU has no AllReduceReassociate: the input gradients of the separate q, k, v and
         # gate, up projections are reduced one by one (5 per layer) where a GPU adds them
-        # first and reduces twice. Three extra reductions of a residual-stream activation.
+        # first and reduces twice (tests/test_gpu_compile.py). Three extra reductions of a
+        # residual-stream activation.
         unreassociated = 3 * sbh
         if layout.sequence_parallel:
-            payload = tp / ((t - 1) / t)        # 4 all-gathers + 4 reduce-scatters
-            # Backward re-gathers the two sequence-sharded norm outputs for the weight
-            # gradients (Megatron does too); norm-scale gradients are partial over the sequence.
-            layer_gather = payload / 2 + 2 * sbh
-            layer_reduce = payload / 2 + unreassociated + 2 * d * WIDTH
+            payload = tp / ((t - 1) / t)        # 6 all-gathers + 4 reduce-scatters
+            # (the backward's 6 include re-gathering the two sequence-sharded norm outputs for
+            # the weight gradients, as Megatron does); norm-scale gradients are partial over
+            # the sequence.
+            layer_gather = payload * 6 / 10
+            layer_reduce = payload * 4 / 10 + unreassociated + 2 * d * WIDTH
             # Embedding: vocab-parallel lookup reduce-scattered to the sequence shards, its
             # gradient all-gathered back; lm_head: the final norm output all-gathered, its
             # gradient reduce-scattered; the final norm's scale gradient all-reduced.
@@ -149,7 +159,8 @@ def expected_bytes(cfg, setup) -> dict[tuple, float]:
 def measured_bytes(colls) -> dict[tuple, int]:
     out = collections.Counter()
     for c in colls:
-        cls = {"all-gather": "gather", "all-reduce": "reduce", "reduce-scatter": "reduce"}
+        cls = {"all-gather": "gather", "all-reduce": "reduce", "reduce-scatter": "reduce",
+               "all-to-all": "all-to-all"}
         out[c.axes, cls.get(c.kind, c.kind)] += c.bytes_per_step
     return dict(out)
 

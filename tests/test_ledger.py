@@ -255,9 +255,10 @@ def test_comm_formulas_small_layout():
     # 1F1B, p=2, m=4 on the executor: 6 table steps, F in 4, B in 5 (tests/test_ledger_pipeline).
     ex = est.executor
     assert (ex.steps, ex.f_steps, ex.b_steps) == (6, 4, 5)
-    # TP: 4 layers x (4 F + 5 recomputed F) forward passes + 4 x 5 backward ones, each half of
-    # Megatron's 8(t-1)/t.s.b.h.2 per layer per microbatch.
-    assert est.comm_bytes["tp"] == 4 * (1 / 2) * s * b * h * 2 * 4 * (9 + 5)
+    # TP with SP: 4 layers x (4 F + 5 recomputed F) forward passes of 4 sequence-sized
+    # collectives and 4 x 5 backward ones of 6 (Megatron-SP's 10), each (t-1)/t.s.b.h.2.
+    one = (1 / 2) * s * b * h * 2
+    assert est.comm_bytes["tp"] == 4 * one * (4 * 9 + 6 * 5)
     # PP: one activation right and one cotangent left per table step, bf16, split over tensor.
     assert est.comm_bytes["pp"] == 2 * 6 * s * b * h * 2 / 2
     layer_local = (1024 * 1024 * 2 + 3 * 1024 * 4096) / 2 + 2 * 1024 * 512 / 2 + 2 * 1024
@@ -271,12 +272,15 @@ def test_comm_formulas_small_layout():
     assert est.comm_bytes["fsdp"] == est.comm_bytes["cp"] == 0
     assert set(est.comm_links.values()) == {"nvlink"}  # 8 devices: one node
     fsdp = dataclasses.replace(layout, data=1, fsdp=2, zero1=False)
-    assert comm.fsdp_bytes(fsdp, n_local) == 3 * n_local * 2 * 4
+    # Outside the layers: the head + final norm gathered once per step and reduce-scattered
+    # per microbatch (m=4); the embedding lookup's two all-to-alls (SP: a sequence shard).
+    assert comm.fsdp_rest_bytes(cfg, fsdp, s) == (table + 1024) * 2 * (1 + 4) \
+        + 2 * s * b * h * 2 / 2 * 4
     # Without stages the layer passes are L.m each, and FSDP's layer term is 3.N_layers.2.m.
     flat = comm.layer_passes(layout, (8,), None)
     assert flat == (32, 32)
     assert comm.fsdp_layer_bytes(fsdp, layer_local, flat) == 3 * 8 * layer_local * 2 * 4
-    assert comm.tp_bytes(cfg, layout, s, flat) == 8 * (1 / 2) * s * b * h * 2 * 8 * 4
+    assert comm.tp_bytes(cfg, layout, s, flat) == 10 * one * 8 * 4
     # Full recompute re-runs the forward collectives of the layers it recomputes.
     assert comm.layer_passes(layout, (8,), None, recomputed=1.0) == (64, 32)
 

@@ -128,7 +128,9 @@ def test_small_pipelined_estimate_by_hand():
     # Communication: 12 sends of a chunk input; the vocab gradients' ring all-reduce (fp32).
     assert est.comm_bytes["pp"] == 12 * chunk_input
     assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * TABLE_LOCAL + H) * 4
-    assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * 4 * (9 + 5)
+    # TP+SP: 4 sequence-sized collectives per forward pass (9: 4 F + 5 recomputed), 6 per
+    # backward pass (5), each (t-1)/t.s.b.h.2, over the chunk's 4 layers
+    assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * (4 * 9 + 6 * 5)
     # The step time pays the table's idle fraction, not Megatron's.
     assert est.bubble == 1 / 4 and est.lockstep_bubble == pytest.approx(3 / 16)
     comp, recomp = est.losses["compute"][0], est.losses["recompute"][0]
@@ -145,7 +147,7 @@ def test_remat_recompute_adds_to_the_executors():
     assert est.hfu_flops_per_token == pytest.approx(
         ledger.model_flops_per_token(cfg) + 2 * LAYERS * layer_fwd)
     assert est.lockstep_bubble == pytest.approx((4 + 4 * 5) / (4 * 5) - 1)
-    assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * 4 * (9 + 5 + 5)
+    assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * (4 * (9 + 5) + 6 * 5)
 
 
 def test_uneven_stages_pad_every_rank_to_the_largest_chunk():

@@ -96,9 +96,15 @@ def test_compiled_memory_orders_as_theory_says(one_device):
 
 def test_block_lies_between_none_and_full_and_moves_with_its_depth(one_device):
     # block:1 is a one-layer scan: without remat._fenced XLA runs its recompute in the forward
-    # pass and block:1 used more memory than none.
+    # pass, keeping a layer's activations alive all step (~12% of this step's temporaries).
+    # Fenced, the one layer block:1 stops saving roughly pays for the two slice copies of the
+    # stacked parameters and their gradients that block makes (measured: 20.67 MB against
+    # none's 20.43; 25.68 against 26.16 before the norms and SwiGLU recomputed their fp32
+    # insides, which made none's layers lighter).
     temp = {p: v[2] for p, v in one_device[0].items()}
-    assert temp["none"] > temp["block:1"] > temp["block:4"] > temp["uniform:1"]
+    assert temp["block:1"] < 1.02 * temp["none"]
+    assert temp["none"] > temp["block:4"] > temp["uniform:1"]
+    assert temp["block:1"] > temp["block:4"]
     flops = {p: v[3] for p, v in one_device[0].items()}
     assert flops["none"] < flops["block:1"] < flops["block:4"] < flops["uniform:1"]
 

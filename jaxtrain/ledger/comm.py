@@ -9,11 +9,15 @@ Conventions (DESIGN.md §5), N_local = parameters one device holds after TP and 
   backward in every B step, of the largest chunk, idle ranks included (lock-step). Full
   recompute re-runs the forward (and its collectives) of the layers it recomputes in each
   backward pass; selective recompute re-runs no collective.
-- FSDP ≈ 3·N_local·2 bytes per microbatch (AG forward, AG backward, RS): per layer pass for
-  the layers (a forward pass gathers N_layer·2, a backward one gathers and reduce-scatters),
-  per microbatch for the rest (embedding, head).
-- TP (+SP): 8·(t-1)/t·s·b·h·2 bytes per layer per microbatch, half in each pass (forward 2
-  all-gathers + 2 reduce-scatters, backward the same; without SP, all-reduces move the same).
+- FSDP: per layer pass for the layers (a forward pass gathers N_layer·2, a backward one
+  gathers and reduce-scatters); the head (and final norm) gathered once per step (outside
+  the microbatch loop) and reduce-scattered per microbatch; the embedding table never moves
+  (its lookup gathers token ids and trades activations: two all-to-alls of s·b·h·2 per
+  microbatch, sharding.ShardedLookup).
+- TP with SP: per layer per microbatch 10 sequence-sized collectives of (t-1)/t·s·b·h·2 (the
+  forward's 2 all-gathers + 2 reduce-scatters; the backward's 2 all-gathers of the output
+  cotangents, 2 re-gathers of the norm outputs for the weight gradients, 2 reduce-scatters:
+  Megatron-SP's). Without SP, 4 all-reduces of 2·(t-1)/t·s·b·h·2, half in each pass.
 - PP: the executor's 2 sends (activation right, cotangent left) per table step, idle steps
   included, of one chunk input (s·b·h in the compute dtype, /t under SP).
 - Vocab (stages only): the executor replicates the embedding and the head (+ final norm) on
@@ -67,9 +71,17 @@ def dp_bytes(layout: Layout, n_local: float) -> float:
     return 2.0 * (n_local / layout.fsdp) * 2
 
 
-def fsdp_bytes(layout: Layout, n_local: float) -> float:
-    """Parameters gathered once per microbatch (AG forward, AG backward, RS): 3·N·2 each."""
-    return 3.0 * n_local * 2 * layout.microbatches if layout.fsdp > 1 else 0.0
+def fsdp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
+    """Outside the layers: the head and final norm gathered once per step, reduce-scattered
+    per microbatch; the embedding lookup's two all-to-alls per microbatch (ids are tiny)."""
+    if layout.fsdp == 1:
+        return 0.0
+    m, t = cfg.model, layout.tensor
+    head = (0 if m.tie_embeddings else padded_vocab(m.vocab_size, t) * m.hidden_size / t) \
+        + m.hidden_size
+    lookup = 2 * (seq_len / layout.context) * layout.micro_batch * m.hidden_size * 2 \
+        / (t if layout.sequence_parallel else 1)
+    return head * 2 * (1 + layout.microbatches) + lookup * layout.microbatches
 
 
 def fsdp_layer_bytes(layout: Layout, layer_params: float, passes: Passes) -> float:
@@ -80,19 +92,24 @@ def fsdp_layer_bytes(layout: Layout, layer_params: float, passes: Passes) -> flo
     return layer_params * 2 * (passes.forward + 2 * passes.backward)
 
 
-def tp_bytes_per_layer_microbatch(cfg: Config, layout: Layout, seq_len: int) -> float:
-    """8·(t-1)/t·s·b·h·2: one layer's forward and backward for one microbatch."""
+def tp_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> tuple[float, float]:
+    """(forward pass, backward pass) TP bytes of one layer for one microbatch: with SP 4 and 6
+    sequence-sized collectives of (t-1)/t·s·b·h·2, without it 2 all-reduces each."""
     t = layout.tensor
     if t == 1:
-        return 0.0
-    sbh = seq_len / layout.context * layout.micro_batch * cfg.model.hidden_size
-    return 8.0 * (t - 1) / t * sbh * 2
+        return 0.0, 0.0
+    one = (t - 1) / t * seq_len / layout.context * layout.micro_batch * cfg.model.hidden_size * 2
+    return (4 * one, 6 * one) if layout.sequence_parallel else (4 * one, 4 * one)
+
+
+def tp_bytes_per_layer_microbatch(cfg: Config, layout: Layout, seq_len: int) -> float:
+    """One layer's forward and backward for one microbatch: 10 (SP) or 8 (t-1)/t·s·b·h·2."""
+    return sum(tp_pass_bytes(cfg, layout, seq_len))
 
 
 def tp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes) -> float:
-    # a forward pass and a backward pass move the same bytes
-    per_pass = tp_bytes_per_layer_microbatch(cfg, layout, seq_len) / 2
-    return per_pass * (passes.forward + passes.backward)
+    fwd, bwd = tp_pass_bytes(cfg, layout, seq_len)
+    return fwd * passes.forward + bwd * passes.backward
 
 
 def pp_bytes(cfg: Config, layout: Layout, seq_len: int, ex: Executor | None) -> float:

@@ -212,7 +212,7 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     layer_local = memory.layer_params_local(cfg, L.tensor)
     volumes = {"dp": comm.dp_bytes(L, n_local),
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
-               + comm.fsdp_bytes(L, n_local - max_chunks * layer_local),
+               + comm.fsdp_rest_bytes(cfg, L, seq),
                "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
                "vocab": comm.vocab_bytes(cfg, L), "cp": comm.cp_bytes(cfg, L, seq, passes)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
