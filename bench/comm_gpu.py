@@ -40,10 +40,10 @@ LAYOUTS = {
 }
 
 
-def measure(name: str, extra: Sequence[str] = ()) -> dict:
+def measure(name: str, extra: Sequence[str] = (), options: dict | None = None) -> dict:
     cfg = load_config("configs/llama3_8b.py", [*MODEL, *LAYOUTS[name], *extra])
     mesh = sharding.make_mesh(cfg.parallel, targets.devices("h100", 8))
-    out = compile_step(cfg, mesh)
+    out = compile_step(cfg, mesh, extra_options=options)
     colls = hlo.collectives_from_text(out.text, mesh)
     wire = collections.Counter()
     for c in colls:
@@ -52,7 +52,10 @@ def measure(name: str, extra: Sequence[str] = ()) -> dict:
     # per layer per microbatch: the ops inside loops that run once per layer
     per_layer = collections.Counter(c.kind for c in colls if c.in_loop and c.count % layers == 0
                                     for _ in range(c.count // layers))
-    overlap = gpu_program.overlap_by_axis(gpu_program.async_collectives(out.text, mesh))
+    acs = gpu_program.async_collectives(out.text, mesh)
+    overlap = gpu_program.overlap_by_axis(acs)
+    ag_overlap = gpu_program.overlap_by_axis([a for a in acs
+                                              if a.collective.kind == "all-gather"])
     gathers = [c for c in colls if c.kind == "all-gather"]
     return {
         "layout": name, "wire_bytes": sum(wire.values()), "by_kind_axis": dict(wire),
@@ -60,7 +63,16 @@ def measure(name: str, extra: Sequence[str] = ()) -> dict:
         "temp_bytes": hlo.memory(out.compiled)["temp_bytes"],
         "collectives_per_layer": dict(per_layer),
         "overlap": {",".join(a or ("?",)): (h / t if t else None) for a, (h, t) in overlap.items()},
+        "all_gather_overlap": {",".join(a or ("?",)): (h / t if t else None)
+                               for a, (h, t) in ag_overlap.items()},
     }
+
+
+def _option(text: str):
+    key, _, value = text.partition("=")
+    low = value.lower()
+    return key, (True if low == "true" else False if low == "false"
+                 else int(value) if value.lstrip("-").isdigit() else value)
 
 
 def main(argv=None) -> int:
@@ -68,15 +80,20 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--attention", default="auto", help="model.attention (auto: pallas on GPU)")
+    ap.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
+                    help="an XLA compile option on top of the defaults (repeatable)")
     args = ap.parse_args(argv)
+    options = dict(_option(o) for o in args.xla)
     rows = []
     for name in args.layouts:
-        r = measure(name, [f"--model.attention={args.attention}"])
+        r = measure(name, [f"--model.attention={args.attention}"], options)
         rows.append(r)
         print(f"{name:16} wire {r['wire_bytes'] / 1e9:8.3f} GB  all-gather "
               f"{r['all_gather_wire_bytes'] / 1e9:8.3f} GB  temp {r['temp_bytes'] / 2**30:6.2f} "
               f"GiB  per layer {r['collectives_per_layer']}  overlap "
-              + ", ".join(f"{a} {v:.0%}" for a, v in r["overlap"].items() if v is not None),
+              + ", ".join(f"{a} {v:.0%}" for a, v in r["overlap"].items() if v is not None)
+              + " (all-gathers: " + ", ".join(f"{a} {v:.0%}" for a, v in
+                                             r["all_gather_overlap"].items() if v) + ")",
               flush=True)
         for k, v in sorted(r["by_kind_axis"].items()):
             print(f"    {k:28} {v / 1e9:8.3f} GB")

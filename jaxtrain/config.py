@@ -124,6 +124,7 @@ class TrainConfig:
     # [D-]HH:MM:SS. "" never. Leave room below the scheduler's limit for one step and one save.
     max_runtime: str = ""
     peak_tflops: float = 0.0  # 0: look up the device kind's peak
+    xla_flags: str = ""  # "xla_NAME=VALUE ...": XLA options for GPU compiles (xla_flags.py)
 
     @property
     def max_runtime_s(self) -> float:

@@ -551,7 +551,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
 
     import jax
 
-    from jaxtrain import attention, gpu_program, hlo, sharding, targets
+    from jaxtrain import attention, gpu_program, hlo, sharding, targets, xla_flags
     from jaxtrain.compile_step import compile_step
     if target is not None:
         tgt = targets.get(target)
@@ -583,8 +583,9 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
         if is_gpu:
             device_memory = (targets.get(target).memory_bytes if target else
                              (present[0].memory_stats() or {}).get("bytes_limit", 0))
-            report = gpu_program.GpuReport.read(out.text, mesh, dump if extra else None,
-                                                device_memory, mem["total_bytes"])
+            report = gpu_program.GpuReport.read(
+                out.text, mesh, dump if extra else None, device_memory, mem["total_bytes"],
+                xla_flags.for_platform(scaled, "gpu"))
     colls = hlo.reclassify_sliced_all_reduce(hlo.collectives_from_text(out.text, mesh))
     try:
         xla_flops = hlo.compiled_flops(out.compiled)

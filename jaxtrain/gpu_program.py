@@ -236,13 +236,15 @@ class GpuReport:
     kernels: list               # Kernel
     device_memory: int          # bytes the target device reports
     total_bytes: int | None     # the compiled step's footprint per device
+    xla_options: dict = dataclasses.field(default_factory=dict)  # what it compiled with
 
     @classmethod
-    def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes):
+    def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes,
+             xla_options: dict | None = None):
         names = pallas_kernel_names(text)
         ks = kernels(dump_dir, names) if names and dump_dir is not None else []
         return cls(gemm_summary(gemms(text)), async_collectives(text, mesh), ks,
-                   device_memory, total_bytes)
+                   device_memory, total_bytes, dict(xla_options or {}))
 
     def overlap(self) -> dict:
         return overlap_by_axis(self.collectives)
@@ -261,6 +263,8 @@ class GpuReport:
     def format(self) -> str:
         gib = 2 ** 30
         out = ["", "GPU program (XLA:GPU for sm_90a; nothing ran, nothing autotuned):"]
+        out.append("  XLA options: " + (" ".join(f"{k}={v}" for k, v in
+                                                 sorted(self.xla_options.items())) or "none"))
         total = sum(f for _, f in self.gemms.values()) or 1.0
         out.append("  GEMMs by backend      ops   FLOPs/step  share")
         for (backend, dtype), (n, f) in sorted(self.gemms.items(), key=lambda kv: -kv[1][1]):
@@ -297,4 +301,5 @@ class GpuReport:
                                                                   key=lambda kv: str(kv[0]))],
             "kernels": [dataclasses.asdict(k) for k in self.kernels],
             "device_memory_bytes": self.device_memory, "fits": self.fits(),
+            "xla_options": self.xla_options,
         }

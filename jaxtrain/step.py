@@ -32,7 +32,7 @@ from jaxtrain import fp8 as fp8_lib
 from jaxtrain import hf
 from jaxtrain import layer_order
 from jaxtrain import model as model_lib
-from jaxtrain import optim, pipeline_model, remat, sharding
+from jaxtrain import optim, pipeline_model, remat, sharding, xla_flags
 from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger.layout import stage_layer_counts
@@ -143,6 +143,7 @@ def validate_fp8(cfg: Config, tensor: int) -> None:
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
     layout = sharding.validate_layout(cfg, mesh.size)
+    xla_flags.parse(cfg.train.xla_flags)  # a bad option fails here, before any compile
     p = layout["stage"]
     v = cfg.parallel.virtual_stages if p > 1 else 1
     stage_layers = stage_layer_counts(cfg, p, v)
@@ -386,13 +387,19 @@ def make_grad_step(setup: Setup):
     compute = loss_and_grads(setup)
     if setup.fp8 is None:
         return jax.jit(lambda p, b: compute(p, b)[:3], in_shardings=(state_sh["params"], batch_sh),
-                       out_shardings=(None, None, state_sh["params"]))
+                       out_shardings=(None, None, state_sh["params"]),
+                       compiler_options=_xla_options(setup))
 
     def grad_step(params, batch, fp8_meta):
         loss, tokens, grads, meta_grad = compute(params, batch, fp8_meta)
         return loss, tokens, grads, fp8_lib.apply_meta_update(fp8_meta, meta_grad, setup.fp8)
     return jax.jit(grad_step, in_shardings=(state_sh["params"], batch_sh, state_sh["fp8_meta"]),
-                   out_shardings=(None, None, state_sh["params"], state_sh["fp8_meta"]))
+                   out_shardings=(None, None, state_sh["params"], state_sh["fp8_meta"]),
+                   compiler_options=_xla_options(setup))
+
+
+def _xla_options(setup: Setup) -> dict:
+    return xla_flags.for_platform(setup.cfg, sharding.platform(setup.mesh))
 
 
 def make_train_step(setup: Setup, *, donate: bool = True):
@@ -414,7 +421,7 @@ def make_train_step(setup: Setup, *, donate: bool = True):
 
     state_sh, batch_sh = _shardings(setup)
     return jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
-                   donate_argnums=(0,) if donate else ())
+                   donate_argnums=(0,) if donate else (), compiler_options=_xla_options(setup))
 
 
 def make_eval_step(setup: Setup):
@@ -431,11 +438,13 @@ def make_eval_step(setup: Setup):
     eval_step = (pipeline_model.eval_sums(setup) if mesh.shape["stage"] > 1
                  else unpipelined_sums)
     plain = jax.jit(lambda params, batch: eval_step(params, batch),
-                    in_shardings=(setup.param_shardings, batch_sh))
+                    in_shardings=(setup.param_shardings, batch_sh),
+                    compiler_options=_xla_options(setup))
     if setup.fp8 is None:
         return lambda params, batch, fp8_meta=None: plain(params, batch)
     meta_sh = _shardings(setup)[0]["fp8_meta"]
-    with_meta = jax.jit(eval_step, in_shardings=(setup.param_shardings, batch_sh, meta_sh))
+    with_meta = jax.jit(eval_step, in_shardings=(setup.param_shardings, batch_sh, meta_sh),
+                        compiler_options=_xla_options(setup))
 
     def dispatch(params, batch, fp8_meta=None):
         return plain(params, batch) if fp8_meta is None else with_meta(params, batch, fp8_meta)

@@ -1,0 +1,60 @@
+"""XLA options a GPU training step compiles with: the defaults, and the config's overrides.
+
+Applied only when the step is compiled for GPUs (the mesh's devices, compile-only ones
+included); XLA:CPU gets none. Each default is kept because compiling bench/comm_gpu.py's
+layouts for H100s shows it helps (BENCHMARKS.md, "Less communication than MaxText"), and
+only where it does:
+
+- with FSDP, pipelined all-gathers: a layer's weights gathered one loop iteration ahead
+  (statically overlapped FSDP all-gather bytes 70% -> 82%); without FSDP they pipeline the
+  activation gathers of sequence parallelism instead and cost memory (Llama 3 8B's recipe,
+  TP 2 + SP: 59.8 -> 78.5 GiB per device);
+- with FSDP, pipelined all-reduces: the same for the layer loop's all-reduces (-> 89%);
+- while-loop double buffering, only when nothing but the layer loop loops (one microbatch,
+  no pipeline): it unrolls every loop by two, so the next layer's collectives overlap this
+  one's compute (-> 93%; temporaries +0.6 GiB at Llama 3 8B, 8 layers, fsdp=8: the
+  prefetched weights), but a microbatch loop unrolled by two holds two microbatches'
+  activations (Llama 3 8B's recipe, 128 microbatches: 60.7 -> 76.1 GiB per device).
+
+Left out because the compile showed no difference: the latency-hiding scheduler flag (on by
+default in this XLA), pipelined reduce-scatters, collective combine thresholds.
+`train.xla_flags` ("name=value name=value") adds options or overrides these; the dry run
+lists what a step compiled with.
+"""
+from __future__ import annotations
+
+from jaxtrain.config import Config, ConfigError
+
+FSDP = {
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+}
+LAYER_LOOP_ONLY = {"xla_gpu_enable_while_loop_double_buffering": True}
+
+
+def parse(text: str) -> dict:
+    """"name=value name=value" (spaces or commas) -> {name: value}; true/false and integers
+    parsed, anything else kept as a string."""
+    out = {}
+    for item in text.replace(",", " ").split():
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("xla_"):
+            raise ConfigError(f"train.xla_flags: {item!r} is not xla_NAME=VALUE, e.g. "
+                              "'xla_gpu_enable_pipelined_all_gather=false'")
+        low = value.lower()
+        out[name] = (True if low == "true" else False if low == "false"
+                     else int(value) if value.lstrip("-").isdigit() else value)
+    return out
+
+
+def for_platform(cfg: Config, platform: str) -> dict:
+    """The XLA options a step for `platform` devices compiles with."""
+    if platform != "gpu":
+        return {}
+    p = cfg.parallel
+    defaults = {}
+    if p.fsdp > 1:
+        defaults.update(FSDP)
+        if p.microbatches == 1 and p.stage == 1:
+            defaults.update(LAYER_LOOP_ONLY)
+    return {**defaults, **parse(cfg.train.xla_flags)}
