@@ -83,6 +83,19 @@ def test_devices_flag_and_gpu_are_checked_before_training(capsys, no_compile):
     assert "unknown GPU 'tpu9'" in capsys.readouterr().err
 
 
+def test_target_flags_are_checked_before_anything_compiles(capsys, no_compile, monkeypatch):
+    assert train_main(["--config", TINY, "--dry-run", "--target", "tpu9"]) == 2
+    assert "--target 'tpu9' is unknown; known targets: h100, h200" in capsys.readouterr().err
+    assert train_main(["--config", TINY, "--target", "h100"]) == 2
+    assert "use it with --dry-run" in capsys.readouterr().err
+    assert train_main(["--config", TINY, "--json"]) == 2
+    assert "add --dry-run" in capsys.readouterr().err
+    # without the gpu-compile extra: the command that installs it
+    monkeypatch.setitem(__import__("sys").modules, "jax_plugins.xla_cuda12", None)
+    assert train_main(["--config", TINY, "--dry-run", "--target", "h100"]) == 2
+    assert "pip install -e '.[gpu-compile]'" in capsys.readouterr().err
+
+
 def test_scaling_keeps_the_model_and_the_planned_micro_batch():
     cfg = load_config(LLAMA70B, ["--parallel.tensor=16"])  # does not divide 8 devices
     planned = dry_run.plan_devices(cfg, "h100")

@@ -6,6 +6,7 @@ registers, spills and shared memory, async collectives, and the compiled memory 
 ledger (which is calibrated here, not on XLA:CPU). Run with `-m gpu_compile` after installing
 the gpu-compile extra (README's third command).
 """
+import json
 import re
 
 import jax
@@ -180,3 +181,36 @@ def test_compiled_memory_is_the_ledgers(h100, name):
     est = estimate(cfg, layout_from_config(cfg, n), "h100")
     ledger = est.total_bytes - workspace_bytes(cfg)
     assert abs(compiled / ledger - 1) <= 0.10, (compiled / 2**30, ledger / 2**30)
+
+
+# ----------------------------------------------------------------------------- the dry run
+
+def test_dry_run_for_h100_reports_the_gpu_program_as_text_and_json(capsys, h100):
+    from test_dry_run import TINY, train_main
+    assert train_main(["--config", TINY, "--dry-run", "--target", "h100", "--devices", "8",
+                       "--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
+                       "--model.compute_dtype=bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run on 8 x H100 SXM5 80GB" in out and "GPU program" in out
+    assert "static overlap" in out and "jaxtrain_flash_fwd" in out and ": fits" in out
+    assert train_main(["--config", TINY, "--dry-run", "--target", "h100", "--devices", "8",
+                       "--parallel.fsdp=8", "--parallel.data=1", "--json",
+                       "--model.compute_dtype=bfloat16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    gpu = report["gpu"]
+    assert report["devices"] == 8 and gpu["fits"] is True
+    assert {k["name"] for k in gpu["kernels"]} == FLASH_KERNELS
+    assert all(k["spill_stores"] == 0 for k in gpu["kernels"])
+    assert any(o["axes"] == ["fsdp"] and o["wire_bytes"] > 0 for o in gpu["overlap"])
+    assert gpu["xla_options"]["xla_gpu_enable_pipelined_all_gather"] is True
+    assert report["compiled"]["memory"]["total_bytes"] > 0
+
+
+def test_a_layout_that_does_not_fit_is_compiled_and_says_by_how_much(capsys, h100):
+    from test_dry_run import train_main
+    assert train_main(["--config", "configs/llama70b.py", "--dry-run", "--target", "h100",
+                       "--devices", "64", "--parallel.stage=1", "--parallel.virtual_stages=1",
+                       "--parallel.schedule=1f1b", "--parallel.fsdp=8", "--parallel.data=1",
+                       "--parallel.zero1=false"]) == 0  # micro-batch 8: ~5x a device
+    out = capsys.readouterr().out
+    assert re.search(r"DOES NOT FIT: [\d.]+ GiB over", out), out[-800:]
