@@ -264,12 +264,56 @@ class _Reach:
     exact: bool = True
 
 
+_INDUCTION_RE = re.compile(r'"known_induction_variable"\s*:\s*\{\s*"tuple_index"\s*:\s*"?(\d+)')
+_CONSTANT_RE = re.compile(r"^s32\[\]")
+
+
+def _constant_value(instr: _Instr | None) -> int | None:
+    if instr is None or instr.opcode != "constant" or not _CONSTANT_RE.match(instr.shape):
+        return None
+    m = re.search(r"-?\d+", " ".join(instr.operands))
+    return int(m.group(0)) if m else None
+
+
+def _inferred_trips(loop: _Instr, comp: _Computation, comps: dict[str, _Computation]):
+    """Trips of a while loop the compiler left without `known_trip_count` (XLA:GPU's collective
+    pipelining rewrites loops and drops it): its induction variable's start (a constant in the
+    init tuple) to the constant it is compared against with LT in the condition. None when
+    the loop does not have that shape."""
+    m = _INDUCTION_RE.search(loop.attrs)
+    cond = re.search(r"condition=%?([\w.\-]+)", loop.attrs)
+    init = comp.by_name.get(loop.operands[0]) if loop.operands else None
+    if not m or not cond or init is None or init.opcode != "tuple":
+        return None
+    k = int(m.group(1))
+    src = comp.by_name.get(init.operands[k]) if k < len(init.operands) else None
+    while src is not None and src.opcode in ("copy", "bitcast") and src.operands:
+        src = comp.by_name.get(src.operands[0])
+    start = _constant_value(src)
+    limits = []
+    stack = [cond.group(1)]
+    while stack:  # the compare may sit inside a fusion the condition calls
+        c = comps.get(stack.pop())
+        if c is None:
+            continue
+        for i in c.instrs:
+            if i.opcode == "compare" and "direction=LT" in i.attrs:
+                limits += [v for v in (_constant_value(c.by_name.get(o)) for o in i.operands)
+                           if v is not None]
+            stack += [n for n, _, _ in callees(i)]
+    if start is None or len(limits) != 1 or limits[0] < start:
+        return None
+    return limits[0] - start
+
+
 def _reach(comps: dict[str, _Computation], entry: str) -> dict[str, _Reach]:
     """Executions per step of every computation, summed over call sites."""
     callers: dict[str, list[tuple[str, int | None, bool]]] = {n: [] for n in comps}
     for comp in comps.values():
         for instr in comp.instrs:
             for callee, trips, is_loop in callees(instr):
+                if is_loop and trips is None:
+                    trips = _inferred_trips(instr, comp, comps)
                 if callee in callers:
                     callers[callee].append((comp.name, trips, is_loop))
     memo: dict[str, _Reach] = {}

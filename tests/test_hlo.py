@@ -306,3 +306,51 @@ def test_synthetic_module_async_tuples_and_nested_loops(mesh3):
     rs = colls["rs"]
     assert (rs.kind, rs.axes, rs.bytes, rs.count) == ("reduce-scatter", ("fsdp", "tensor"), 64, 15)
     assert rs.wire_bytes == pytest.approx(64 * 3 / 4)
+
+
+_PIPELINED_LOOP = """\
+HloModule pipelined, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused_lt (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] compare(%p, %n), direction=LT
+}
+
+%cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %c = pred[] fusion(%i), kind=kLoop, calls=%fused_lt
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[4]{0} get-tuple-element(%t), index=1
+  %ar = f32[4]{0} all-reduce(%v), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+  ROOT %o = (s32[], f32[4]{0}) tuple(%i, %ar)
+}
+
+ENTRY %main (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %one = s32[] constant(1)
+  %start = s32[] copy(%one)
+  %t0 = (s32[], f32[4]{0}) tuple(%start, %p0)
+  %loop = (s32[], f32[4]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  ROOT %r = f32[4]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_loop_collective_pipelining_rewrote_keeps_its_trip_count(mesh3):
+    """XLA:GPU's collective pipelining peels an iteration and drops known_trip_count: the trips
+    are read from the induction variable (start 1, after a copy) and the LT bound (7, inside
+    a fusion of the condition)."""
+    (ar,) = hlo.collectives_from_text(_PIPELINED_LOOP, mesh3)
+    assert (ar.count, ar.count_exact, ar.in_loop, ar.axes) == (6, True, True, ("data",))
