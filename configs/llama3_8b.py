@@ -4,7 +4,7 @@ Layout for one 8-GPU H100 node, the planner's pick (`python -m jaxtrain.plan --c
 configs/llama3_8b.py --devices 8 --gpu h100`): TP 2 with sequence parallelism, data 4 with the
 distributed optimizer, micro-batch 1 x 128 accumulation steps, no recompute.
 """
-import llama3_base
+from . import llama3_base
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """Llama 3.1 405B: 126 layers, hidden 16384, 128 heads / 8 KV heads, MLP 53248."""
-import llama70b
-import llama3_base
+from . import llama70b
+from . import llama3_base
 
 
 def get_config():

@@ -7,7 +7,7 @@ rates it 30-47% MFU at 35.8 of 72 GiB, within a point of its pick (TP 4, data 12
 microbatches: 31-48% at 64.7 GiB); this one keeps twice the memory headroom and half the
 data-parallel traffic. Chosen by the ledger, not yet measured on GPUs.
 """
-import llama3_base
+from . import llama3_base
 
 
 def get_config():

@@ -77,11 +77,26 @@ def run(config_path: str, overrides, *, inspect_sharding: bool = False, dry_run:
             print(inspect(cfg))
             return 0
         from jaxtrain import trainer
-        trainer.train(cfg)
+        from jaxtrain.mfu_breakdown import after_profile
+        trainer.train(resolve_auto_remat(cfg), on_profile=after_profile)
         return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def resolve_auto_remat(cfg):
+    """remat.policy=auto made concrete by compiling candidates on the present devices (the
+    remat sweep's choose_policy); any other config as it is."""
+    if cfg.remat.policy != "auto":
+        return cfg
+    import dataclasses
+
+    from jaxtrain import sharding
+    from jaxtrain.remat_sweep import choose_policy
+    remat = choose_policy(cfg, sharding.make_mesh(cfg.parallel))
+    print(f"remat.policy=auto chose {remat}", flush=True)
+    return dataclasses.replace(cfg, remat=remat)
 
 
 def check_devices(cfg, gpu, devices: int | None, config_name: str) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import importlib
 import importlib.util
 import json
 import pathlib
@@ -25,8 +27,32 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message says which key to change."""
 
 
+class FrozenConfigError(ConfigError):
+    """An assignment to a loaded (validated) config; derive a new one instead."""
+
+
+class _Section:
+    """A config (section) that is frozen once validated: the run, its checkpoints and the
+    dry run all read the same values. Derive another with dataclasses.replace (or `derive`)."""
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_frozen"):
+            raise FrozenConfigError(
+                f"the config is frozen after loading; derive a new one instead of setting "
+                f"{type(self).__name__}.{name}: config.derive(cfg, 'section.{name}=...') or "
+                "dataclasses.replace")
+        object.__setattr__(self, name, value)
+
+
+def _freeze(node) -> None:
+    if dataclasses.is_dataclass(node):
+        object.__setattr__(node, "_frozen", True)
+        for f in dataclasses.fields(node):
+            _freeze(getattr(node, f.name))
+
+
 @dataclasses.dataclass
-class RopeScaling:
+class RopeScaling(_Section):
     """Llama 3.1 RoPE frequency scaling (HF `rope_type="llama3"`)."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -35,7 +61,7 @@ class RopeScaling:
 
 
 @dataclasses.dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     vocab_size: int = 384
     hidden_size: int = 256
     num_layers: int = 4
@@ -58,7 +84,7 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class ParallelConfig:
+class ParallelConfig(_Section):
     """Mesh degrees (-1 fills the remaining devices) and how a step is split."""
     data: int = -1
     fsdp: int = 1
@@ -75,7 +101,7 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass
-class RematConfig:
+class RematConfig(_Section):
     """Megatron's recompute vocabulary on top of jax.checkpoint policies."""
     granularity: Literal["none", "selective", "full"] = "none"
     method: Literal["uniform", "block"] = "uniform"
@@ -87,7 +113,7 @@ class RematConfig:
 
 
 @dataclasses.dataclass
-class Fp8Config:
+class Fp8Config(_Section):
     enabled: bool = False
     recipe: Literal["delayed", "current"] = "delayed"
     format: Literal["hybrid", "e4m3"] = "hybrid"
@@ -99,7 +125,7 @@ class Fp8Config:
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     steps: int = 200
     global_batch: int = 16
     seq_len: int = 128
@@ -132,7 +158,7 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
-class DataConfig:
+class DataConfig(_Section):
     source: Literal["corpus", "text", "tokens", "prepared"] = "corpus"
     # text: a file or folder of .txt; tokens: a .npy/.bin token file; prepared: a directory
     # written by `python -m jaxtrain.data prepare`
@@ -146,7 +172,7 @@ class DataConfig:
 
 
 @dataclasses.dataclass
-class PrepareConfig:
+class PrepareConfig(_Section):
     """`python -m jaxtrain.data prepare`: raw documents -> token shards (not part of Config)."""
     inputs: tuple[str, ...] = ()  # files, folders or globs of .jsonl, .parquet and .txt
     tokenizer: str = "byte"
@@ -157,7 +183,7 @@ class PrepareConfig:
 
 
 @dataclasses.dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     every: int = 0  # 0: only at the end
     keep: int = 3
     async_save: bool = True
@@ -166,7 +192,7 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
-class Config:
+class Config(_Section):
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     remat: RematConfig = dataclasses.field(default_factory=RematConfig)
@@ -176,7 +202,10 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def validate(self) -> "Config":
+        """Check everything that needs no devices, then freeze: the validated config is the
+        run's."""
         validate(self)
+        _freeze(self)
         return self
 
     def to_dict(self) -> dict:
@@ -189,18 +218,20 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 def load_recipe(path: str | pathlib.Path) -> Config:
+    """The Config of a recipe file. A recipe derives from its siblings with relative imports
+    (`from . import llama3_base`): its folder is loaded as a package of its own, named after
+    the folder's path, so two folders that both hold a `llama3_base.py` never share one."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file; recipes live in configs/*.py")
-    # Recipes derive from their siblings (`import llama3_base`): put their folder on the path.
-    folder = str(path.resolve().parent)
-    sys.path.insert(0, folder)
-    try:
-        spec = importlib.util.spec_from_file_location(f"jaxtrain_recipe_{path.stem}", path)
+    folder = path.resolve().parent
+    package = "jaxtrain_recipes_" + hashlib.sha1(str(folder).encode()).hexdigest()[:12]
+    if package not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            package, folder / "__init__.py", submodule_search_locations=[str(folder)])
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
+        sys.modules[package] = module  # no __init__.py needed: nothing runs for the package
+    module = importlib.import_module(f"{package}.{path.stem}")
     if not hasattr(module, "get_config"):
         raise ConfigError(f"{path} defines no get_config(); a recipe must return a Config")
     cfg = module.get_config()
@@ -214,6 +245,13 @@ def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) 
     cfg = load_recipe(path)
     apply_overrides(cfg, overrides)
     return cfg.validate()
+
+
+def derive(cfg: Config, *overrides: str) -> Config:
+    """A validated copy of `cfg` with `section.key=value` overrides (the CLI's spelling)."""
+    new = from_dict(cfg.to_dict())
+    apply_overrides(new, overrides)
+    return new.validate()
 
 
 def from_dict(d: dict) -> Config:

@@ -53,10 +53,10 @@ the ledger models the lock-step executor itself, see jaxtrain.ledger.pipeline):
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
+from jaxtrain import config
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger import (Estimate, Executor, Gpu, Layout, LayoutError, describe, estimate,
                              get_gpu)
@@ -201,11 +201,10 @@ def _split_problem(cfg: Config, stage: int, virtual: int, uneven: bool) -> str:
     """'' when `stage` x `virtual` chunks split the layers as the config needs (its uneven
     first/last stages when `uneven`, else evenly) into chunks its remat groups fit; else why not."""
     from jaxtrain import remat
-    trial = copy.deepcopy(cfg)
-    p = trial.parallel
-    p.stage, p.virtual_stages = stage, virtual
+    edits = dict(stage=stage, virtual_stages=virtual)
     if not uneven:
-        p.first_stage_layers = p.last_stage_layers = 0
+        edits.update(first_stage_layers=0, last_stage_layers=0)
+    trial = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **edits))
     try:
         remat.validate(cfg.remat, layers_per_chunk(trial, stage, virtual))
     except ConfigError as err:
@@ -242,7 +241,7 @@ def scale_to_devices(cfg: Config, planned: Planned, n: int) -> tuple[Config, lis
 
 def _scaled(cfg: Config, planned: Planned, n: int) -> tuple[Config, list[str]]:
     P = planned.layout
-    out = copy.deepcopy(cfg)
+    out = config.from_dict(cfg.to_dict())  # an unfrozen copy; validated (frozen) by the caller
     changes = []
 
     def change(key: str, new, why: str = "") -> None:

@@ -18,6 +18,10 @@ from jaxtrain.ledger.hardware import gpu_for_device_kind
 from jaxtrain.config import Config
 
 
+# The profiler span the trainer puts around fetching a batch: the MFU breakdown's data wait.
+DATA_SPAN = "next_batch"
+
+
 def peak_flops_per_device(cfg: Config) -> tuple[float, bool]:
     """(peak FLOP/s of one device for the compute dtype, is_estimate)."""
     if cfg.train.peak_tflops > 0:

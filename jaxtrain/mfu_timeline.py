@@ -18,8 +18,8 @@ import re
 from collections import defaultdict
 
 from jaxtrain import profile_trace as pt
+from jaxtrain.metrics import DATA_SPAN  # the trainer's span around fetching a batch
 
-DATA_SPAN = "next_batch"            # the trainer's annotation around fetching a batch
 _DERIVED_LINES = {"Steps", "XLA Modules", "XLA Ops", "Async XLA Ops", "Framework Name Scope",
                   "Framework Ops", "Source code", "Launch Stats", "Host Offload Ops",
                   "_counters_", "TensorFlow Name Scope", "TensorFlow Ops", "XLA TraceMe"}

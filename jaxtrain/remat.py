@@ -82,7 +82,7 @@ def validate(r: RematConfig, layers_per_chunk: int | Sequence[int]) -> None:
     if r.policy == "auto":
         raise RematConfigError(
             "remat.policy=auto must be resolved before the step is built: call "
-            "jaxtrain.remat_sweep.choose_policy(cfg, mesh) (the trainer does) or name a policy")
+            "jaxtrain.remat_sweep.choose_policy(cfg, mesh) (train.py does) or name a policy")
     if r.policy:
         if r.granularity != "none" or r.num_layers or r.offload:
             raise RematConfigError(

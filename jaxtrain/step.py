@@ -29,10 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import attention as attention_lib
 from jaxtrain import fp8 as fp8_lib
-from jaxtrain import hf
 from jaxtrain import layer_order
 from jaxtrain import model as model_lib
-from jaxtrain import optim, pipeline_model, remat, sharding, xla_flags
+from jaxtrain import optim, pipeline_model, remat, sharding, weights, xla_flags
 from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger.layout import stage_layer_counts
@@ -245,7 +244,7 @@ def train_state_from_params(setup, params: dict):
     """A fresh train state (step 0, new optimizer state) around `params` (layers in model
     order), on `setup`'s shardings: how a run starts from imported weights. Pads the vocab to
     the setup's."""
-    params = hf.pad_vocab(params, setup.model_cfg.vocab_size)
+    params = weights.pad_vocab(params, setup.model_cfg.vocab_size)
     order = setup.layer_order
     have_layers = layer_order.stored_rows(params)
     if have_layers is not None and have_layers != order.num_layers:

@@ -20,11 +20,10 @@ import jax
 import numpy as np
 
 from jaxtrain import data as data_lib
-from jaxtrain import mfu_breakdown
-from jaxtrain import sharding, step as step_lib
+from jaxtrain import sharding, step as step_lib, weights
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import Config, ConfigError
-from jaxtrain.metrics import MetricsWriter, Throughput, device_memory_gb
+from jaxtrain.metrics import DATA_SPAN, MetricsWriter, Throughput, device_memory_gb
 from jaxtrain.preemption import StopRequest
 
 
@@ -99,9 +98,30 @@ def evaluate(setup, eval_step, state, batches, n_batches: int) -> float:
     return loss_sum / max(count, 1.0)
 
 
-def train(cfg: Config, *, log=print) -> dict:
+def restore_or_init(cfg: Config, setup, ckpt: Checkpointer, train_batches, log) -> dict:
+    """The train state to start from: the latest readable checkpoint (and its data position),
+    else imported weights (checkpoint.init_from), else a fresh init from train.seed."""
+    for path in ckpt.interrupted_saves:
+        log(f"ignored {path}: a save interrupted before it was committed (removed)")
+    restored = (ckpt.restore_latest(step_lib.abstract_train_state(setup), setup.layer_order,
+                                    warn=log) if cfg.checkpoint.resume else None)
+    if restored is not None:
+        latest, state, data_state = restored
+        train_batches.set_state(data_state)
+        log(f"resumed from {ckpt.directory}/{latest}")
+        return state
+    if cfg.checkpoint.init_from:
+        params, _ = weights.load_params(cfg.checkpoint.init_from)
+        state = step_lib.train_state_from_params(setup, params)
+        log(f"initialised from {cfg.checkpoint.init_from}")
+        return state
+    return step_lib.init_train_state(setup, cfg.train.seed)
+
+
+def train(cfg: Config, *, log=print, on_profile=None) -> dict:
     """Run `cfg.train.steps` steps (resuming from the workdir's latest checkpoint); returns the
-    last logged metrics."""
+    last logged metrics. `on_profile(workdir, lowered_step, log)` runs after the profiled
+    steps (train.py passes the MFU breakdown)."""
     started = time.monotonic()
     workdir = pathlib.Path(cfg.train.workdir)
     is_main = jax.process_index() == 0
@@ -111,94 +131,102 @@ def train(cfg: Config, *, log=print) -> dict:
     train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())
     eval_batches = (data_lib.make_batches(cfg, "eval", jax.process_index(), jax.process_count())
                     if cfg.train.eval_every else None)
-    if cfg.remat.policy == "auto":  # decided by compiling candidates (remat_sweep)
-        from jaxtrain.remat_sweep import choose_policy
-        cfg.remat = choose_policy(cfg, mesh)
-        log(f"remat.policy=auto chose {cfg.remat}")
     setup = step_lib.build(cfg, mesh)
     if mesh.shape["stage"] > 1 and is_main:
         log(pipeline_summary(cfg, mesh.shape["stage"]))
     if is_main:
         write_run_info(workdir, cfg)
-
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-    for path in ckpt.interrupted_saves:
-        log(f"ignored {path}: a save interrupted before it was committed (removed)")
-    restored = (ckpt.restore_latest(step_lib.abstract_train_state(setup), setup.layer_order,
-                                    warn=log) if cfg.checkpoint.resume else None)
-    if restored is not None:
-        latest, state, data_state = restored
-        train_batches.set_state(data_state)
-        log(f"resumed from {ckpt.directory}/{latest}")
-    elif cfg.checkpoint.init_from:
-        from jaxtrain import hf
-        params, _ = hf.load_params(cfg.checkpoint.init_from)
-        state = step_lib.train_state_from_params(setup, params)
-        log(f"initialised from {cfg.checkpoint.init_from}")
-    else:
-        state = step_lib.init_train_state(setup, cfg.train.seed)
-    start = int(state["step"])
-
-    train_step = step_lib.make_train_step(setup)
-    eval_step = step_lib.make_eval_step(setup) if eval_batches is not None else None
-    throughput = Throughput(cfg, mesh.size)
-    writer = MetricsWriter(workdir, cfg.train.steps, enabled=is_main,
-                           peak_is_estimate=throughput.peak_is_estimate, start_step=start)
-    profile_stop = cfg.train.profile_start + cfg.train.profile_steps
-    last_logged: dict = {}
-    pending = None  # (step, metrics) of the step dispatched last
+    state = restore_or_init(cfg, setup, ckpt, train_batches, log)
+    loop = _Loop(cfg, setup, ckpt, train_batches, eval_batches, int(state["step"]),
+                 on_profile if is_main else None)
     stop = StopRequest(cfg.train.max_runtime_s, started).install()
     try:
-        for step in range(start, cfg.train.steps):
-            if cfg.train.profile_steps and step == cfg.train.profile_start and is_main:
-                jax.profiler.start_trace(str(workdir / "profile"))
-            with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                with jax.profiler.TraceAnnotation(mfu_breakdown.DATA_SPAN):  # input pipeline (data wait)
-                    batch = global_batch_array(setup, next(train_batches))
-                state, metrics = train_step(state, batch)
-            if pending is not None:
-                last_logged = _finish(pending, cfg, throughput, writer) or last_logged
-            pending = (step, metrics)
-            writer.advance()
-            if cfg.train.profile_steps and step + 1 == profile_stop and is_main:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-                mfu_breakdown.after_profile(workdir, train_step.lower(state, batch),
-                                            writer.console)
-            done = step + 1
-            stopping = stop.poll()
-            if stopping:
-                writer.console(f"{stop.reason()}: stopping after step {done} with a checkpoint "
-                               "(a second signal exits at once)")
-            exiting = stopping or (bool(cfg.train.exit_interval)
-                                   and done % cfg.train.exit_interval == 0)
-            saving = ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
-                      or done == cfg.train.steps or exiting)
-            evaluating = eval_step is not None and done % cfg.train.eval_every == 0
-            if saving or evaluating:  # these need this step's loss checked first
-                last_logged = _finish(pending, cfg, throughput, writer) or last_logged
-                pending = None
-            if evaluating:
-                loss = evaluate(setup, eval_step, state, eval_batches,
-                                cfg.train.eval_batches)
-                writer.write(done, {"eval_loss": loss})
-                last_logged = {**last_logged, "eval_loss": loss}
-            if saving:
-                ckpt.save(done, state, train_batches.get_state(), setup.layer_order)
-            if stopping:
-                ckpt.wait()
-                writer.console(f"saved {ckpt.directory}/{done}; rerun to resume")
+        for step in range(loop.start, cfg.train.steps):
+            state = loop.step(step, state)
+            if loop.after(step + 1, state, stop):
                 break
-            if exiting and done < cfg.train.steps:
-                writer.console(f"exiting at step {done} (train.exit_interval); rerun to resume")
-                break
-        if pending is not None:
-            last_logged = _finish(pending, cfg, throughput, writer) or last_logged
+        loop.finish_pending()
     finally:
         stop.uninstall()
         ckpt.close()
-        writer.close()
-    return last_logged
+        loop.writer.close()
+    return loop.last_logged
+
+
+class _Loop:
+    """One run's loop state: dispatch step N, then check and log step N-1 (the host never
+    stalls the device); evaluate, profile and save on their schedules."""
+
+    def __init__(self, cfg, setup, ckpt, train_batches, eval_batches, start, on_profile):
+        self.cfg, self.setup, self.ckpt, self.start = cfg, setup, ckpt, start
+        self.train_batches, self.eval_batches = train_batches, eval_batches
+        self.on_profile = on_profile
+        self.train_step = step_lib.make_train_step(setup)
+        self.eval_step = step_lib.make_eval_step(setup) if eval_batches is not None else None
+        self.throughput = Throughput(cfg, setup.mesh.size)
+        self.writer = MetricsWriter(pathlib.Path(cfg.train.workdir), cfg.train.steps,
+                                    enabled=jax.process_index() == 0, start_step=start,
+                                    peak_is_estimate=self.throughput.peak_is_estimate)
+        self.last_logged: dict = {}
+        self.pending = None  # (step, metrics) of the step dispatched last
+        t = cfg.train
+        self.profiling = (range(t.profile_start, t.profile_start + t.profile_steps)
+                          if t.profile_steps and jax.process_index() == 0 else range(0))
+
+    def step(self, step: int, state):
+        if self.profiling and step == self.profiling.start:
+            jax.profiler.start_trace(str(pathlib.Path(self.cfg.train.workdir) / "profile"))
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            with jax.profiler.TraceAnnotation(DATA_SPAN):  # the input pipeline (data wait)
+                batch = global_batch_array(self.setup, next(self.train_batches))
+            state, metrics = self.train_step(state, batch)
+        self.finish_pending()
+        self.pending = (step, metrics)
+        self.writer.advance()
+        if self.profiling and step + 1 == self.profiling.stop:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            if self.on_profile is not None:
+                self.on_profile(self.cfg.train.workdir, self.train_step.lower(state, batch),
+                                self.writer.console)
+        return state
+
+    def finish_pending(self) -> None:
+        if self.pending is not None:
+            self.last_logged = _finish(self.pending, self.cfg, self.throughput,
+                                       self.writer) or self.last_logged
+            self.pending = None
+
+    def after(self, done: int, state, stop: StopRequest) -> bool:
+        """Evaluate and save when due; True when the run stops here."""
+        cfg, console = self.cfg, self.writer.console
+        stopping = stop.poll()
+        if stopping:
+            console(f"{stop.reason()}: stopping after step {done} with a checkpoint (a "
+                    "second signal exits at once)")
+        exiting = stopping or (bool(cfg.train.exit_interval)
+                               and done % cfg.train.exit_interval == 0)
+        saving = ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+                  or done == cfg.train.steps or exiting)
+        evaluating = self.eval_step is not None and done % cfg.train.eval_every == 0
+        if saving or evaluating:  # these need this step's loss checked first
+            self.finish_pending()
+        if evaluating:
+            loss = evaluate(self.setup, self.eval_step, state, self.eval_batches,
+                            cfg.train.eval_batches)
+            self.writer.write(done, {"eval_loss": loss})
+            self.last_logged = {**self.last_logged, "eval_loss": loss}
+        if saving:
+            self.ckpt.save(done, state, self.train_batches.get_state(), self.setup.layer_order)
+        if stopping:
+            self.ckpt.wait()
+            console(f"saved {self.ckpt.directory}/{done}; rerun to resume")
+            return True
+        if exiting and done < cfg.train.steps:
+            console(f"exiting at step {done} (train.exit_interval); rerun to resume")
+            return True
+        return False
 
 
 def _finish(pending, cfg: Config, throughput: Throughput, writer: MetricsWriter) -> dict | None:

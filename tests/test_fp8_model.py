@@ -1,5 +1,6 @@
 """FP8 wired into training: which matmuls run in FP8, meta state through remat, layouts,
 checkpoints and the trainer, and the errors for dims FP8 cannot run."""
+import dataclasses
 import json
 
 import jax
@@ -317,7 +318,8 @@ def test_fp8_config_errors():
     with pytest.raises(ConfigError, match="exceeds model.num_layers=2"):
         tiny_config(*FP8, "--fp8.bf16_first_layers=2", "--fp8.bf16_last_layers=1")
     cfg = tiny_config(*FP8)
-    cfg.fp8.format = "e5m2"  # a recipe file can set what the override parser refuses
+    # a recipe file can set what the override parser refuses
+    cfg = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, format="e5m2"))
     with pytest.raises(ConfigError, match="fp8.format='e5m2' is unknown"):
         cfg.validate()
     assert fp8.recipe_of(tiny_config(*FP8).fp8).bwd_dtype == fp8.E5M2

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import hf
+from jaxtrain import hf, weights
 from jaxtrain import model as model_lib
 from jaxtrain.config import CheckpointConfig, Config, ModelConfig, RopeScaling, load_recipe
 
@@ -84,7 +84,7 @@ def _random_params(cfg: ModelConfig, seed=0):
 
 
 def _assert_bitwise_equal(a: dict, b: dict):
-    fa, fb = hf.flatten(a), hf.flatten(b)
+    fa, fb = weights.flatten(a), weights.flatten(b)
     assert sorted(fa) == sorted(fb)
     for k in fa:
         assert fa[k].dtype == fb[k].dtype and fa[k].shape == fb[k].shape, k
@@ -267,7 +267,7 @@ def test_cli_import_then_export(hf_dir, tmp_path):
     (path / "tokenizer.json").write_text("{}")  # copied along, and named by the recipe
     ours, back = tmp_path / "ours", tmp_path / "back"
     assert hf.main(["import", "--hf-dir", str(path), "--out", str(ours)]) == 0
-    params, cfg = hf.load_params(ours)
+    params, cfg = weights.load_params(ours)
     assert cfg.model == hf.model_config_from_hf(json.loads((path / "config.json").read_text()))
     assert cfg.data.tokenizer == str(ours.resolve()) and (ours / "tokenizer.json").is_file()
     recipe = load_recipe(ours / "recipe.py")
@@ -306,7 +306,7 @@ def test_export_from_training_checkpoint_and_train_state(tmp_path):
     assert setup.model_cfg.vocab_size == 256
     params = _random_params(setup.model_cfg)
     unpadded = {**params, "embed": params["embed"][:200], "lm_head": params["lm_head"][:, :200]}
-    state = step_lib.train_state_from_params(setup, hf.pad_vocab(unpadded, 256))
+    state = step_lib.train_state_from_params(setup, weights.pad_vocab(unpadded, 256))
     abstract = step_lib.abstract_train_state(setup)
     assert jax.tree.structure(state) == jax.tree.structure(abstract)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(abstract)):

@@ -69,8 +69,8 @@ def cfg_with_ideal(ideal_s=IDEAL_S, devices=2):
     """The tiny model with a peak that makes T_ideal a round number."""
     cfg = tiny_config()
     flops = model_flops_per_token(cfg) * tokens_per_step(cfg) / devices
-    cfg.train.peak_tflops = flops / ideal_s / 1e12
-    return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, peak_tflops=flops / ideal_s / 1e12))
 
 
 def meta(pid, name, tid=None, thread=None):
@@ -246,12 +246,12 @@ def test_torch_profiler_trace(tmp_path):
 
 
 def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
-    """train.profile_steps: the trainer profiles, saves the HLO and prints the breakdown; the
-    run directory reads back the same through xprof (xplane) and through jax's JSON."""
+    """train.profile_steps: the trainer profiles and train.py's hook saves the HLO and prints the
+    breakdown; the run directory reads back the same through xprof (xplane) and jax's JSON."""
     from jaxtrain import trainer
     cfg = tiny_config("--train.steps=5", "--train.profile_start=2", "--train.profile_steps=2",
                       workdir=str(tmp_path))
-    trainer.train(cfg)
+    trainer.train(cfg, on_profile=mb.after_profile)
     assert "MFU breakdown of" in capsys.readouterr().out
     files = pt.session_files(tmp_path)
     assert [f.name.endswith(".xplane.pb") for f in files] == [True]

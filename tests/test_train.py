@@ -7,7 +7,7 @@ import pytest
 
 from jaxtrain import hf, trainer
 from jaxtrain.checkpoint import CheckpointMismatchError, read_layer_order, read_saved_params
-from jaxtrain.config import apply_overrides
+from jaxtrain.config import derive
 from util import tiny_config
 
 
@@ -81,10 +81,10 @@ def test_pipelined_checkpoint_resumes_unpipelined_and_exports_in_model_order(tmp
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     cfg = tiny_config("--train.steps=4", "--checkpoint.async_save=false", workdir=str(tmp_path))
     trainer.train(cfg)
-    apply_overrides(cfg, ["--train.steps=8", "--train.lr=1e30", "--train.grad_clip=0",
-                          "--train.warmup_steps=0"])
+    diverging = derive(cfg, "train.steps=8", "train.lr=1e30", "train.grad_clip=0",
+                       "train.warmup_steps=0")
     with pytest.raises(trainer.NonFiniteLossError, match="last good checkpoint is kept"):
-        trainer.train(cfg)
+        trainer.train(diverging)
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
                   if p.name.isdigit()) == [4]
 
