@@ -176,7 +176,7 @@ class Checkpointer:
             return
         check_shapes(saved, abstract_state, f"checkpoint {self.directory}/{step}",
                      missing="it was written for a different model or optimizer. Use a fresh "
-                     "train.workdir or checkpoint.resume=false",
+                     "train.workdir",
                      different="the model config differs from the one that wrote it (compare "
                      "config.json), or use a fresh train.workdir")
 
@@ -185,6 +185,18 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+
+
+def check_fresh_start(directory: pathlib.Path, cfg: CheckpointConfig) -> None:
+    """checkpoint.resume=false starts over from step 0; refuse when `directory` holds this run's
+    checkpoints (the first save would collide with them, or mix two runs) before any compile."""
+    steps = _committed_steps(directory)
+    if not cfg.resume and steps:
+        shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+        raise ConfigError(
+            f"checkpoint.resume=false starts over, but {directory} holds checkpoints (steps "
+            f"{shown}) that it would collide with; set train.workdir to a fresh folder, or "
+            "move those checkpoints away (nothing was deleted)")
 
 
 def _committed_steps(directory: pathlib.Path) -> list[int]:

@@ -187,7 +187,7 @@ class CheckpointConfig(_Section):
     every: int = 0  # 0: only at the end
     keep: int = 3
     async_save: bool = True
-    resume: bool = True
+    resume: bool = True  # false: never restore (refused where checkpoints already exist)
     init_from: str = ""  # a `python -m jaxtrain.hf import` folder: start from those weights
 
 

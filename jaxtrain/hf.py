@@ -35,8 +35,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxtrain.config import Config, ConfigError, ModelConfig, RopeScaling, from_dict
-from jaxtrain.weights import (PARAMS_FILE, HfConversionError, _check_empty, _set,
-                              _write_safetensors, load_params, read_safetensors, save_params)
+from jaxtrain.weights import (PARAMS_FILE, HfConversionError, refuse_overwrite, set_path,
+                              write_safetensors, load_params, read_safetensors, save_params)
 
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -216,7 +216,7 @@ def params_from_hf(state_dict: dict[str, np.ndarray], model_cfg: ModelConfig) ->
         stacked = np.empty((m.num_layers, *shape), dtype)
         for i in range(m.num_layers):
             stacked[i] = to_ours(fetch(f"model.layers.{i}.{hf_name}"))
-        _set(params, ("blocks", *path), stacked)
+        set_path(params, ("blocks", *path), stacked)
     return params
 
 
@@ -283,7 +283,7 @@ def save_hf_checkpoint(out_dir: str | pathlib.Path, params: dict, model_cfg: Mod
     index when larger than `max_shard_bytes`). `model_cfg.vocab_size` is the real vocab."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _check_empty(out_dir, "model*.safetensors*")
+    refuse_overwrite(out_dir, "model*.safetensors*")
     tensors = params_to_hf(params, model_cfg, dtype=dtype)
     shards: list[dict] = [{}]
     size = 0
@@ -294,12 +294,12 @@ def save_hf_checkpoint(out_dir: str | pathlib.Path, params: dict, model_cfg: Mod
         shards[-1][name] = w
         size += w.nbytes
     if len(shards) == 1:
-        _write_safetensors(out_dir / "model.safetensors", tensors, "pt")
+        write_safetensors(out_dir / "model.safetensors", tensors, "pt")
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(out_dir / fname, shard, "pt")
+            write_safetensors(out_dir / fname, shard, "pt")
             weight_map.update({name: fname for name in shard})
         index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())},
                  "weight_map": weight_map}
@@ -347,7 +347,7 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path) -> Config
     cfg = Config(model=model_config_from_hf(hf_config))
     params = params_from_hf(state_dict, cfg.model)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _check_empty(out_dir, PARAMS_FILE)  # before copying anything into it
+    refuse_overwrite(out_dir, PARAMS_FILE)  # before copying anything into it
     if (hf_dir / "tokenizer.json").is_file():
         for name in TOKENIZER_FILES:
             if (hf_dir / name).is_file():

@@ -475,7 +475,3 @@ def cross_entropy_sum(logits_BSV, targets_BS, mask_BS):
     target_BS = jnp.sum(logits_BSV * onehot_BSV, axis=-1)
     mask_BS = mask_BS.astype(jnp.float32)
     return jnp.sum((lse_BS - target_BS) * mask_BS), jnp.sum(mask_BS)
-
-
-def count_params(state) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxtrain import data as data_lib
 from jaxtrain import sharding, step as step_lib, weights
-from jaxtrain.checkpoint import Checkpointer
+from jaxtrain.checkpoint import Checkpointer, check_fresh_start
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.metrics import DATA_SPAN, MetricsWriter, Throughput, device_memory_gb
 from jaxtrain.preemption import StopRequest
@@ -126,6 +126,7 @@ def train(cfg: Config, *, log=print, on_profile=None) -> dict:
     workdir = pathlib.Path(cfg.train.workdir)
     is_main = jax.process_index() == 0
     check_writable(workdir)
+    check_fresh_start(workdir / "checkpoints", cfg.checkpoint)
     mesh = sharding.make_mesh(cfg.parallel)
     # Data first: a bad tokenizer, directory or mixture fails before anything compiles.
     train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())

@@ -76,20 +76,20 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray], fmt: str) -> None:
+def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray], fmt: str) -> None:
     from safetensors.numpy import save_file
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path),
               metadata={"format": fmt})
 
 
-def _check_empty(out_dir: pathlib.Path, pattern: str) -> None:
+def refuse_overwrite(out_dir: pathlib.Path, pattern: str) -> None:
     stale = sorted(p.name for p in out_dir.glob(pattern))
     if stale:
         raise HfConversionError(f"{out_dir} already holds {', '.join(stale[:3])}; pass an empty "
                                 "output folder (stale shards would be loaded alongside)")
 
 
-def _set(tree: dict, path: Sequence[str], value) -> None:
+def set_path(tree: dict, path: Sequence[str], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
@@ -111,7 +111,7 @@ def flatten(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
 def unflatten(flat: dict[str, np.ndarray]) -> dict:
     out: dict = {}
     for name, value in flat.items():
-        _set(out, name.split("/"), value)
+        set_path(out, name.split("/"), value)
     return out
 
 
@@ -131,8 +131,8 @@ def save_params(out_dir: str | pathlib.Path, params: dict, cfg: Config) -> None:
     """An import folder: params.safetensors, config.json (a full Config) and recipe.py."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _check_empty(out_dir, PARAMS_FILE)
-    _write_safetensors(out_dir / PARAMS_FILE, flatten(params), "jaxtrain")
+    refuse_overwrite(out_dir, PARAMS_FILE)
+    write_safetensors(out_dir / PARAMS_FILE, flatten(params), "jaxtrain")
     # Training with the folder's recipe starts from these weights.
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
         cfg.checkpoint, init_from=str(out_dir.absolute())))

@@ -7,7 +7,7 @@ import pytest
 
 from jaxtrain import hf, trainer
 from jaxtrain.checkpoint import CheckpointMismatchError, read_layer_order, read_saved_params
-from jaxtrain.config import derive
+from jaxtrain.config import ConfigError, derive
 from util import tiny_config
 
 
@@ -87,6 +87,15 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
         trainer.train(diverging)
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
                   if p.name.isdigit()) == [4]
+
+
+def test_starting_over_on_existing_checkpoints_is_refused_before_compiling(tmp_path, monkeypatch):
+    trainer.train(tiny_config("--train.steps=2", workdir=str(tmp_path)))
+    monkeypatch.setattr(trainer.step_lib, "build", lambda *a: pytest.fail("compiled"))
+    again = tiny_config("--train.steps=2", "--checkpoint.resume=false", workdir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"resume=false starts over.*steps 2\).*fresh folder"):
+        trainer.train(again)
+    assert (tmp_path / "checkpoints" / "2").is_dir()
 
 
 def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
