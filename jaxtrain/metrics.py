@@ -74,6 +74,25 @@ def device_memory_gb() -> float | None:
     return stats["peak_bytes_in_use"] / 2**30
 
 
+def _drop_records_after(path: pathlib.Path, step: int) -> None:
+    """Rewrite the jsonl at `path` without the records of steps after `step` (atomically)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _record_step(line) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
+def _record_step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):
+        return float("inf")  # a line torn by a kill mid-write
+
+
 class MetricsWriter:
     def __init__(self, workdir: pathlib.Path, total_steps: int, enabled: bool = True,
                  peak_is_estimate: bool = False, start_step: int = 0):
@@ -82,10 +101,12 @@ class MetricsWriter:
         self._jsonl = self._tb = self._bar = None
         if not enabled:
             return
+        # What an earlier attempt logged after the checkpoint this run starts from (steps it
+        # will log again) is dropped, from metrics.jsonl and (purge_step) TensorBoard alike, so
+        # a restart leaves no overlap.
+        _drop_records_after(workdir / "metrics.jsonl", start_step)
         self._jsonl = open(workdir / "metrics.jsonl", "a")
         from tensorboardX import SummaryWriter
-        # purge_step: TensorBoard hides what an earlier attempt logged after the checkpoint
-        # this run starts from (steps it will log again), so a restart leaves no overlap.
         self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=start_step + 1)
         from tqdm import tqdm
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,

@@ -180,6 +180,8 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, refer
     assert any(f"ignored {partial}: a save interrupted" in line for line in logged), logged
     assert any(line.endswith("checkpoints/2") and "resumed from" in line for line in logged)
     assert _losses(workdir) == reference  # steps 3.. logged again by the resumed run
+    # ... and once: the killed attempt's records of steps 3 and 4 were dropped at the restart
+    assert [r["step"] for r in _records(workdir) if "loss" in r] == sorted(reference)
 
 
 # ----------------------------------------------------------------------------- damage
