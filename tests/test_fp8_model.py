@@ -323,3 +323,15 @@ def test_fp8_config_errors():
     with pytest.raises(ConfigError, match="fp8.format='e5m2' is unknown"):
         cfg.validate()
     assert fp8.recipe_of(tiny_config(*FP8).fp8).bwd_dtype == fp8.E5M2
+
+
+def test_fp8_mfu_divides_by_the_bf16_peak_as_the_ledger_does(monkeypatch):
+    """The trainer's MFU and the ledger's expected MFU use one peak: FP8 shows as a higher MFU,
+    not as a halved one against the FP8 peak."""
+    from jaxtrain import metrics
+    from jaxtrain.ledger.hardware import get_gpu
+    h100 = get_gpu("h100")
+    monkeypatch.setattr(metrics, "gpu_for_device_kind", lambda kind: h100)
+    for enabled in ("false", "true"):
+        cfg = tiny_config(f"--fp8.enabled={enabled}", "--model.compute_dtype=bfloat16")
+        assert metrics.peak_flops_per_device(cfg) == (h100.bf16_flops, h100.estimate)
