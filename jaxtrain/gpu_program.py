@@ -22,7 +22,7 @@ import re
 import subprocess
 from typing import Any
 
-from jaxtrain import hlo
+from jaxtrain import hlo, hlo_module
 
 # Between an async collective's start and done, what hides it: a matmul-class kernel (a GEMM
 # custom call or fusion, a Pallas/cuDNN kernel) or a loop or call (whose bodies hold them).
@@ -79,7 +79,7 @@ def _operand_types(instr, comp) -> str:
 
 def gemms(text: str) -> list[Gemm]:
     """Every matmul of the module with what runs it and its FLOPs per step."""
-    comps, reach = hlo.parsed(text)
+    comps, reach = hlo_module.parsed(text)
     out = []
     for comp in comps.values():
         for instr in comp.instrs:
@@ -94,7 +94,7 @@ def gemms(text: str) -> list[Gemm]:
                 out.append(Gemm(backend, _operand_types(instr, comp),
                                 hlo.matmul_flops_of(instr, comp) * n, instr.name))
             elif instr.opcode == "fusion" and _FUSION_KIND_RE.search(instr.attrs):
-                called = [c for c, _, _ in hlo.callees(instr) if c in comps]
+                called = [c for c, _, _ in hlo_module.callees(instr) if c in comps]
                 dots = [(i, comps[c]) for c in called for i in comps[c].instrs
                         if i.opcode == "dot"]
                 flops = sum(hlo.matmul_flops_of(i, c) for i, c in dots) * n
@@ -107,7 +107,7 @@ def gemms(text: str) -> list[Gemm]:
 
 
 def _inside_fusion(name: str, comps) -> bool:
-    return any(i.opcode == "fusion" and name in [c for c, _, _ in hlo.callees(i)]
+    return any(i.opcode == "fusion" and name in [c for c, _, _ in hlo_module.callees(i)]
                for c in comps.values() for i in c.instrs)
 
 
@@ -124,7 +124,7 @@ def gemm_summary(gs: list[Gemm]) -> dict[tuple[str, str], tuple[int, float]]:
 
 def async_collectives(text: str, mesh: Any) -> list[AsyncCollective]:
     """Every collective of the module, with whether compute runs between its start and done."""
-    comps, _ = hlo.parsed(text)
+    comps, _ = hlo_module.parsed(text)
     by_op = {(c.computation, c.op): c for c in hlo.collectives_from_text(text, mesh)}
     out = []
     for comp in comps.values():
@@ -221,7 +221,7 @@ def kernels(dump_dir: str | pathlib.Path, names: set[str]) -> list[Kernel]:
         regs = stores = loads = None
         if name in ptx:
             regs, stores, loads = _ptxas(ptx[name])
-        out.append(Kernel(name, tuple(hlo.ints(m.group(2))), tuple(hlo.ints(m.group(3))),
+        out.append(Kernel(name, tuple(hlo_module.ints(m.group(2))), tuple(hlo_module.ints(m.group(3))),
                           int(m.group(4)), regs, stores, loads))
     return out
 

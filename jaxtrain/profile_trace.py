@@ -25,7 +25,7 @@ import re
 import tempfile
 import types
 
-from jaxtrain import hlo
+from jaxtrain import hlo, hlo_module
 from jaxtrain.config import ConfigError
 
 PROFILE_SUFFIXES = (".xplane.pb", ".trace.json.gz", ".trace.json", ".json.gz", ".json")
@@ -211,7 +211,7 @@ def hlo_ops(text: str, mesh_shape: dict | None = None) -> dict[str, HloOp]:
     """Every instruction of a compiled module's text by name (the trace's `hlo_op`).
 
     mesh_shape (axis -> size, mesh order) maps collectives' device groups to mesh axes."""
-    comps, reach = hlo.parsed(text)
+    comps, reach = hlo_module.parsed(text)
     op_names = dict(_OP_NAME_RE.findall(text))
     by_op = {}
     if mesh_shape:
@@ -252,7 +252,7 @@ def _gemm(instr, comp, comps, depth: int = 0) -> tuple[float, str]:
     if instr.opcode != "fusion" or depth > 3:
         return 0.0, ""
     total, best = 0.0, (0.0, "")
-    for name, _, _ in hlo.callees(instr):
+    for name, _, _ in hlo_module.callees(instr):
         for inner in comps[name].instrs if name in comps else ():
             f, shape = _gemm(inner, comps[name], comps, depth + 1)
             total += f

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxtrain import hlo, sharding, step
+from jaxtrain import hlo, hlo_module, sharding, step
 from jaxtrain.ledger import comm
 from jaxtrain.ledger.layout import layout_from_config
 from test_parallel import LAYOUTS
@@ -212,7 +212,7 @@ def _only_sliced(comps, c: hlo.Collective) -> bool:
         if not users:
             return False
         for user in users:
-            if hlo.shape_bytes(user.shape) * c.group_size != hlo.shape_bytes(element.shape):
+            if hlo_module.shape_bytes(user.shape) * c.group_size != hlo_module.shape_bytes(element.shape):
                 return False
             fused = re.findall(r"calls=%?([\w.\-]+)", user.attrs) if user.opcode == "fusion" else []
             if user.opcode != "dynamic-slice" and not any(
@@ -226,7 +226,7 @@ def _residual_stream_tp_collectives(name):
     cfg, setup, compiled, colls = compiled_step(name)
     layout = layout_from_config(cfg, setup.mesh.size)
     sbh = layout.micro_batch * cfg.train.seq_len * cfg.model.hidden_size * WIDTH
-    comps, _ = hlo.parse_module(compiled.as_text())
+    comps, _ = hlo_module.parse_module(compiled.as_text())
     out = []
     for c in colls:
         if c.axes == ("tensor",) and c.in_loop and c.bytes % sbh == 0:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxtrain import fp8, gpu_program, hlo, sharding
+from jaxtrain import fp8, gpu_program, hlo, hlo_module, sharding
 from jaxtrain.compile_step import compile_step
 from jaxtrain.config import load_config
 from jaxtrain.ledger import estimate, layout_from_config
@@ -58,7 +58,7 @@ def test_collectives_of_a_gpu_program_are_read_per_mesh_axis(h100):
     reduce-scatters, and the mesh-style replica groups of compile-only devices."""
     out = _compile(h100, "--model.attention=xla", *LAYOUTS[1])
     colls = hlo.collectives_from_text(out.text, out.mesh)
-    opcodes = [i.opcode for c in hlo.parsed(out.text)[0].values() for i in c.instrs]
+    opcodes = [i.opcode for c in hlo_module.parsed(out.text)[0].values() for i in c.instrs]
     starts = sum(o.removesuffix("-start") in hlo.KINDS for o in opcodes if o.endswith("-start"))
     dones = sum(o.removesuffix("-done") in hlo.KINDS for o in opcodes if o.endswith("-done"))
     sync = sum(o in hlo.KINDS for o in opcodes)
@@ -86,7 +86,7 @@ def test_fp8_projections_are_cublaslt_gemms_that_write_the_compute_dtype(h100):
     fused, writing bf16 (fp32 accumulation inside): no fp32 GEMM result, no cast kernel."""
     out = _compile(h100, *FP8, "--parallel.data=2", "--parallel.tensor=2", n=4,
                    options=NO_TRITON_GEMM)
-    comps, reach = hlo.parsed(out.text)
+    comps, reach = hlo_module.parsed(out.text)
     f8 = [(i, reach[c.name].count) for c in comps.values() for i in c.instrs
           if i.opcode == "custom-call" and '"__cublas$lt$matmul$f8"' in i.attrs]
     # 7 projections x forward/dgrad/wgrad per layer, however the layer loop is unrolled
@@ -124,7 +124,7 @@ def test_one_fp8_projection_holds_bf16_temporaries_plus_its_fp8_operands(h100):
                         argnums=(0, 1))(x, w)
     fp8_temps, text = _projection_temps(fp8_step, x, w, meta)
     bf16_temps, _ = _projection_temps(bf16_step, x, w)
-    f8_buffers = sum(hlo.shape_bytes(s) for s in re.findall(
+    f8_buffers = sum(hlo_module.shape_bytes(s) for s in re.findall(
         r"(f8e(?:4m3fn|5m2)\[[\d,]+\])\{[\d,]+\} ", text))
     assert len(_f8_gemms(text)) == 3
     assert fp8_temps <= 1.1 * (bf16_temps + f8_buffers), (fp8_temps, bf16_temps, f8_buffers)

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import hlo
+from jaxtrain import hlo, hlo_module
 
 
 def _mesh(shape, names):
@@ -222,10 +222,10 @@ def test_unknown_spelling_is_an_error():
 def test_source_target_pairs_and_shape_bytes():
     line = "collective-permute(%p), source_target_pairs={{0,1},{1,0},{2,2}}"
     assert hlo.parse_source_target_pairs(line) == ((0, 1), (1, 0), (2, 2))
-    assert hlo.shape_bytes("f32[2,8]{1,0}") == 64
-    assert hlo.shape_bytes("(bf16[4,4]{1,0}, s32[], pred[3])") == 32 + 4 + 3
-    assert hlo.shape_bytes("f8e4m3fn[16]") == 16
-    assert hlo.shape_bytes("s4[3]") == 2
+    assert hlo_module.shape_bytes("f32[2,8]{1,0}") == 64
+    assert hlo_module.shape_bytes("(bf16[4,4]{1,0}, s32[], pred[3])") == 32 + 4 + 3
+    assert hlo_module.shape_bytes("f8e4m3fn[16]") == 16
+    assert hlo_module.shape_bytes("s4[3]") == 2
 
 
 def test_axes_for_groups(mesh3):
