@@ -262,7 +262,7 @@ def build_table(steps: list, stages: int, virtual_stages: int, microbatches: int
                         cols["recv_x"][t + 1, (r + 1) % p] = in_slot[(g + 1, k)]
                 elif backward:
                     cols["b_chunk"][t, r], cols["b_mb"][t, r] = g // p, k
-                    cols["b_in"][t, r] = in_slot[(g, k)] if g == last else -1
+                    cols["b_in"][t, r] = in_slot.get((g, k), -1) if g == last else -1
                     cols["b_res"][t, r] = res_slot.get((g, k), -1)
                     cols["b_gslot"][t, r] = g_slot.get((g, k), -1)
                     if g > 0:
