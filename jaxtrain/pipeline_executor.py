@@ -59,15 +59,21 @@ class Fns(NamedTuple):
 
 
 class GradCombine(NamedTuple):
-    """How chunk-parameter cotangents add up: over a rank's B ops (`add(acc, d) -> acc`) and
-    over the stacked data replicas (`reduce(tree, axis) -> tree`)."""
-    add: Callable[[Any, Any], Any]
+    """How chunk-parameter cotangents add up: over a rank's B ops (`add_at(acc, j, d)`: acc
+    [v, ...] with chunk j's d added) and over the stacked data replicas (`reduce(tree,
+    axis)`)."""
+    add_at: Callable[[Any, Any, Any], Any]
     reduce: Callable[[Any, int], Any]
 
 
-SUM = GradCombine(
-    add=lambda acc, d: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d),
-    reduce=lambda tree, axis: jax.tree.map(lambda a: jnp.sum(a, axis=axis), tree))
+def add_at(acc, j, d):
+    """acc[j] += d as a scatter-add, updated in place (a read-modify-write of acc[j] made XLA
+    materialize the slice: one chunk's fp32 gradients more)."""
+    return jax.tree.map(lambda a, x: a.at[j].add(x.astype(a.dtype)), acc, d)
+
+
+SUM = GradCombine(add_at=add_at,
+                  reduce=lambda tree, axis: jax.tree.map(lambda a: jnp.sum(a, axis=axis), tree))
 
 
 class Carry(NamedTuple):
@@ -150,37 +156,38 @@ def _head_loss(fns: Fns, rk: Rank, edge, y, k):
 
 
 def _f_op(fns: Fns, rk: Rank, c: Carry, row, from_input: bool, backward: bool):
-    """One F: the chunk's forward on this rank's input for it; returns what goes right."""
+    """One F: (what goes right, the residuals to stash, the loss it adds)."""
     j, k = jnp.maximum(row["f_chunk"], 0), jnp.maximum(row["f_mb"], 0)
     x_in = _first_input(fns, rk, k) if from_input else c.inbox[jnp.maximum(row["f_in"], 0)]
     params, caux = _take(rk.chunks, j), _take(rk.caux, k)
     if backward:
         y, saved = rk.program.forward(params, x_in, caux)
-        slot = jnp.maximum(row["f_res"], 0)
-        stash = tuple(buf.at[slot].set(s) for buf, s in zip(c.stash, saved))
-        return c._replace(stash=stash), y
+        return y, tuple(saved), jnp.zeros((), jnp.float32)
     y = fns.chunk(params, x_in, caux)
     is_last = j * rk.p + rk.r == rk.num_v - 1
     loss = lax.cond(is_last, lambda: _head_loss(fns, rk, rk.edge, y, k),
                     lambda: jnp.zeros((), jnp.float32))
-    return c._replace(loss=c.loss + loss), y
+    return y, (), loss
 
 
-def _input_grad(fns: Fns, rk: Rank, c: Carry, k, dx) -> Carry:
-    """Virtual stage 0: the embedding's gradient from the input cotangent (or d_x[k])."""
-    if fns.embed is None:
-        return c._replace(d_x=c.d_x.at[k].set(dx))
-    _, pull = jax.vjp(lambda e: fns.embed(e, _take(rk.x, k)).astype(dx.dtype), rk.edge)
-    return c._replace(d_edge=_add(c.d_edge, pull(dx)[0]))
+class BOut(NamedTuple):
+    """What a B produces: the cotangent going left and this microbatch's contributions,
+    which the step adds to the accumulators after the switch (a buffer updated inside a
+    switch is an operand of every branch, and XLA copies it each step)."""
+    dx: jax.Array
+    d_params: Any                    # the chunk's, in the parameters' dtype
+    d_edge: Any                      # the edge row's (head or embedding; zeros elsewhere)
+    loss: jax.Array
 
 
-def _b_op(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row, last: bool, first: bool):
-    """One B; returns what goes left (the chunk input's cotangent). A middle stage applies its
-    stashed pullback; the last virtual stage runs its chunk forward, the head and the loss,
-    seeded with 1 (as an unpipelined microbatch is: the mean's 1/(m * replicas) comes after,
-    so values in the backward, FP8 gradient amaxes included, do not depend on m)."""
+def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
+    """One B. A middle stage applies its stashed pullback; the last virtual stage runs its
+    chunk forward, the head and the loss, seeded with 1 (as an unpipelined microbatch is: the
+    mean's 1/(m * replicas) comes after, so values in the backward, FP8 gradient amaxes
+    included, do not depend on m); virtual stage 0 also differentiates the embedding."""
     j, k = jnp.maximum(row["b_chunk"], 0), jnp.maximum(row["b_mb"], 0)
     params = _take(rk.chunks, j)
+    d_edge, loss = jax.tree.map(jnp.zeros_like, rk.edge), jnp.zeros((), jnp.float32)
     if last:
         x_in = _first_input(fns, rk, k) if first else c.inbox[jnp.maximum(row["b_in"], 0)]
         caux = _take(rk.caux, k)
@@ -188,49 +195,65 @@ def _b_op(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row, last: bool, f
         loss, head_pull = jax.vjp(lambda e, y_: _head_loss(fns, rk, e, y_, k), rk.edge, y)
         d_edge, dy = head_pull(jnp.ones_like(loss))
         d_params, dx = pull(dy)
-        c = c._replace(loss=c.loss + loss, d_edge=_add(c.d_edge, d_edge))
     else:
         slot = jnp.maximum(row["b_res"], 0)
         dy = c.cots[jnp.maximum(row["b_gslot"], 0)]
         d_params, dx = rk.program.backward(params, [buf[slot] for buf in c.stash], dy)
-    acc = combine.add(_take(c.d_chunk, j), d_params)
-    c = c._replace(d_chunk=jax.tree.map(lambda a, d: a.at[j].set(d.astype(a.dtype)),
-                                        c.d_chunk, acc))
-    if first:
-        c = _input_grad(fns, rk, c, k, dx)
-    return c, dx
+    if first and fns.embed is not None:
+        _, pull = jax.vjp(lambda e: fns.embed(e, _take(rk.x, k)).astype(dx.dtype), rk.edge)
+        d_edge = _add(d_edge, pull(dx)[0])
+    return BOut(dx, d_params, d_edge, loss)
 
 
-def _idle(rk: Rank, c: Carry, row):
-    return c, rk.fill_x
+def _b_idle(rk: Rank, c: Carry, row) -> BOut:
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+    return BOut(rk.fill_x, zeros(_take(rk.chunks, 0)), zeros(rk.edge),
+                jnp.zeros((), jnp.float32))
 
 
 def _switch_f(fns: Fns, rk: Rank, c: Carry, row, backward: bool):
-    """This rank's F, if it has one: from the pipeline input (virtual stage 0) or its inbox."""
+    """This rank's F, if it has one: from the pipeline input (virtual stage 0) or its inbox.
+
+    Its residuals leave the switch and go into the stash after it: a buffer updated inside a
+    switch is an operand of every branch, and XLA then copies all of it each step rather than
+    update it in place (measured on the GPU compiler: twice the stash)."""
     j = row["f_chunk"]
     first = j * rk.p + rk.r == 0
     index = jnp.where(j >= 0, 1 + first.astype(jnp.int32), 0)
-    branches = [functools.partial(_idle, rk)] + [
-        functools.partial(_f_op, fns, rk, from_input=f, backward=backward) for f in (False, True)]
+
+    def idle(c, row):
+        return (rk.fill_x, tuple(jnp.zeros_like(buf[0]) for buf in c.stash),
+                jnp.zeros((), jnp.float32))
+    branches = [idle] + [functools.partial(_f_op, fns, rk, from_input=f, backward=backward)
+                         for f in (False, True)]
     with jax.named_scope(F_SCOPE):
-        return lax.switch(index, branches, c, row)
+        y, saved, loss = lax.switch(index, branches, c, row)
+    stash = tuple(_put(buf, row["f_res"], s) for buf, s in zip(c.stash, saved))
+    return c._replace(stash=stash, loss=c.loss + loss), y
 
 
 def _switch_b(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row):
-    """This rank's B, if it has one: index 1 + first + 2 * last over the kinds below
-    (kinds no virtual stage has are not traced)."""
+    """This rank's B, if it has one (index 1 + first + 2 * last over the kinds below; kinds
+    no virtual stage has are not traced), and its contributions added to the accumulators.
+    An idle rank adds zeros (for FP8 metas: an empty observation)."""
     j = row["b_chunk"]
     g = j * rk.p + rk.r
     first, last = (g == 0).astype(jnp.int32), (g == rk.num_v - 1).astype(jnp.int32)
     index = jnp.where(j >= 0, 1 + first + 2 * last, 0)
     n = rk.num_v
-    idle = functools.partial(_idle, rk)
+    idle = functools.partial(_b_idle, rk)
     kinds = [(False, False, n > 2), (False, True, n > 1), (True, False, n > 1),
              (True, True, n == 1)]
-    branches = [idle] + [functools.partial(_b_op, fns, rk, combine, last=last_, first=first_)
+    branches = [idle] + [functools.partial(_b_op, fns, rk, last=last_, first=first_)
                          if reachable else idle for last_, first_, reachable in kinds]
     with jax.named_scope(B_SCOPE):
-        return lax.switch(index, branches, c, row)
+        out = lax.switch(index, branches, c, row)
+    c = c._replace(d_chunk=combine.add_at(c.d_chunk, jnp.maximum(j, 0), out.d_params),
+                   d_edge=_add(c.d_edge, out.d_edge), loss=c.loss + out.loss)
+    if c.d_x is not None:   # virtual stage 0 without an embedding: the input's cotangent
+        k = jnp.where((j >= 0) & (first > 0), row["b_mb"], -1)
+        c = c._replace(d_x=_put(c.d_x, k, out.dx))
+    return c, out.dx
 
 
 def _step(fns: Fns, rk: Rank, combine: GradCombine, backward: bool, cols, c: Carry, t):

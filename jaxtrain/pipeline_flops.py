@@ -86,8 +86,9 @@ def executed_matmul_flops(text: str, columns: dict, stages: int,
         for instr in comp.instrs:
             if instr.opcode != "conditional":
                 continue
-            scope = names.get(instr.name, "")
-            kind = "f" if f"/{F_SCOPE}/" in scope else "b" if f"/{B_SCOPE}/" in scope else None
+            # the switch itself, not a conditional nested in its branches
+            scope = names.get(instr.name, "").rsplit("/", 2)[-2:]
+            kind = {F_SCOPE: "f", B_SCOPE: "b"}.get(scope[0]) if scope[-1:] == ["cond"] else None
             if kind is None:
                 continue
             flops = np.asarray([_flops_under(comps, c, memo) for c, _, _ in hlo.callees(instr)])
@@ -99,3 +100,11 @@ def executed_matmul_flops(text: str, columns: dict, stages: int,
             per_rank += runs * (counts[kind] @ flops - num_steps * flops.sum())
             branches[kind] = tuple(float(x) for x in flops)
     return ExecutedFlops(tuple(float(x) for x in per_rank), float(every), branches)
+
+
+def for_step(text: str, ex) -> ExecutedFlops:
+    """executed_matmul_flops of a compiled train step whose schedule is the ledger's
+    Executor `ex` (its table is rebuilt from the schedule)."""
+    from jaxtrain.pipeline_schedule import build_schedule
+    table = build_schedule(ex.schedule, ex.stages, ex.microbatches, ex.virtual_stages).table
+    return executed_matmul_flops(text, table.columns, ex.stages, ex.virtual_stages)

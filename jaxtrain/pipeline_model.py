@@ -211,6 +211,16 @@ class PipelineModel:
         return self.schedule.microbatches * self.mesh.shape.get(pl.DATA_AXIS, 1)
 
 
+def _add_at_fp8(acc, j, d):
+    """acc[j] += d for gradients (in place); FP8 meta observations max-combine at j."""
+    def one(a, x):
+        if fp8_lib.is_fp8_meta(a):
+            new = fp8_lib.combine_meta_grads(jax.tree.map(lambda t: t[j], a), x)
+            return jax.tree.map(lambda t, n: t.at[j].set(n), a, new)
+        return a.at[j].add(x.astype(a.dtype))
+    return jax.tree.map(one, acc, d, is_leaf=fp8_lib.is_fp8_meta)
+
+
 def _reduce_fp8(tree, axis):
     """Stacked gradients summed over `axis`, FP8 meta observations max-combined over it."""
     tree = fp8_lib.max_meta_grads(tree, axis)
@@ -219,7 +229,7 @@ def _reduce_fp8(tree, axis):
 
 
 # FP8 metas' cotangents are amax observations: max over microbatches and replicas
-FP8_COMBINE = pl.GradCombine(fp8_lib.add_grads, _reduce_fp8)
+FP8_COMBINE = pl.GradCombine(_add_at_fp8, _reduce_fp8)
 
 
 def build(setup) -> PipelineModel:
