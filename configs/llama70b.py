@@ -16,7 +16,7 @@ def get_config():
     cfg.parallel.tensor = 8
     cfg.parallel.sequence_parallel = True
     cfg.parallel.stage = 2
-    cfg.parallel.virtual_stages = 10
+    cfg.parallel.virtual_stages = 8
     cfg.parallel.schedule = "interleaved_1f1b"
     cfg.parallel.data = -1
     cfg.parallel.zero1 = True

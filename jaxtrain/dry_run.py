@@ -356,7 +356,7 @@ class DryRun:
     def ledger_memory(self) -> dict[str, float]:
         e = self.estimate
         s = e.static_breakdown
-        temps = s["param"] + s["grad"] + s.get("fsdp_buffers", 0.0) + e.activation_bytes \
+        temps = sum(v for k, v in s.items() if k != "optimizer") + e.activation_bytes \
             + e.reserve_bytes
         return {"state": s["optimizer"], "temp": temps, "total": e.total_bytes,
                 "temp_no_workspace": temps - workspace_bytes(self.cfg)}

@@ -177,10 +177,13 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
 
     def activations(rm):
         if ex is not None:
-            return memory.pipelined_activations(cfg, L, rm, flash, seq, ex, stage_layers)
+            return memory.pipelined_activations(cfg, L, rm, flash, seq, ex)
         return memory.stage_activations(cfg, L, rm, flash, seq, m.num_layers, m.num_layers)
 
     static = memory.static_bytes(cfg, L, n_local, n_state)
+    if ex is not None:
+        static["pipeline_weights"] = memory.pipeline_weight_bytes(cfg, L, remat, stage_layers,
+                                                                  ex.chunk_layers)
     act = activations(remat)
     reserve = memory.reserve_bytes(cfg, L, seq)
     total = sum(static.values()) + act.total + reserve

@@ -234,32 +234,31 @@ def chunk_weight_copy_bytes(cfg: Config, layout: Layout, remat: RematConfig,
             * DTYPE_BYTES[cfg.model.compute_dtype])
 
 
-def chunk_work_bytes(cfg: Config, layout: Layout, chunk_layers: int) -> float:
-    """A chunk's weights-sized temporaries of an F or B (compute dtype, GPU compiler's buffer
-    assignment): the B's gradient of its chunk before it joins the fp32 accumulator, and with
-    virtual stages the F's and the B's slice of their chunk out of the rank's v (a dynamic
-    index: XLA copies it)."""
+def pipeline_weight_bytes(cfg: Config, layout: Layout, remat: RematConfig,
+                          stage_layers: tuple[int, ...], chunk_layers: int) -> float:
+    """A chunk's weights-sized temporaries of an F or B (compute dtype, the GPU compiler's
+    buffer assignment): the B's gradient of its chunk before it joins the fp32 accumulator
+    (as the unpipelined layer scan's backward returns a microbatch's at once), with virtual
+    stages the F's and the B's slice of their chunk out of the rank's v (a dynamic index: XLA
+    copies it), and the copy a per-layer switch makes (chunk_weight_copy_bytes)."""
     weights = (chunk_layers * layer_params_local(cfg, layout.tensor)
                * DTYPE_BYTES[cfg.model.compute_dtype])
-    return weights * (3 if layout.virtual_stages > 1 else 1)
+    return (weights * (3 if layout.virtual_stages > 1 else 1)
+            + chunk_weight_copy_bytes(cfg, layout, remat, stage_layers, chunk_layers))
 
 
 def pipelined_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,
-                          seq_len: int, ex: Executor,
-                          stage_layers: tuple[int, ...] | None = None) -> Activations:
+                          seq_len: int, ex: Executor) -> Activations:
     """What one device of the pipeline executor holds: the stash slots' chunk residuals and
     the last stage's B's own set (each one microbatch of one chunk under the remat config),
-    what a B re-materialises at once, its chunk-weight-sized temporaries (and a chunk weight
-    copy where a switch makes one), and its chunk-input buffers."""
+    what a B re-materialises at once, and its chunk-input buffers (Megatron's accounting of
+    a pipeline stage's in-flight activations)."""
     stored, working = chunk_residual_bytes(cfg, layout, remat, flash, seq_len, ex.chunk_layers)
-    copy = (chunk_weight_copy_bytes(cfg, layout, remat, stage_layers or (ex.chunk_layers,),
-                                    ex.chunk_layers)
-            + chunk_work_bytes(cfg, layout, ex.chunk_layers))
     sets = ex.stash_buffer + 1
     buffers = ex.buffers * chunk_input_bytes(cfg, layout, seq_len)
     return Activations(per_layer=stored / ex.chunk_layers, inflight=sets * ex.chunk_layers,
-                       working_set=working + copy, total=sets * stored + working + copy
-                       + buffers, buffers=buffers)
+                       working_set=working, total=sets * stored + working + buffers,
+                       buffers=buffers)
 
 
 def workspace_bytes(cfg: Config) -> float:
