@@ -23,6 +23,13 @@ long as the busiest rank. Branches taken by some ranks only hold no collective o
 (it would deadlock): their collectives (TP, FSDP) run over automatic axes whose device groups
 lie within one stage, where every device takes the same branch.
 
+Buffers and switches. The stash, the inbox, the cotangent slots and the gradient accumulators
+are updated outside the switches: a value a switch takes is an operand of every branch, and
+XLA then copies a buffer that one branch updates in place (measured on the GPU compiler: the
+stash twice, the accumulators twice). So an F returns its residuals and a B its gradient
+contributions, and the step writes them. A B reads its stash slot inside its switch (read
+outside, the copy stayed alive beside the last stage's own residual set: one set more).
+
 Gradients accumulate in fp32 per rank and per data replica and leave the shard_map stacked
 [replicas, p, ...] (P(data, stage)): the caller reduces the replica dim once, where the
 optimizer's sharding turns it into a reduce-scatter under ZeRO-1 (an all-reduce inside the
@@ -172,8 +179,7 @@ def _f_op(fns: Fns, rk: Rank, c: Carry, row, from_input: bool, backward: bool):
 
 class BOut(NamedTuple):
     """What a B produces: the cotangent going left and this microbatch's contributions,
-    which the step adds to the accumulators after the switch (a buffer updated inside a
-    switch is an operand of every branch, and XLA copies it each step)."""
+    which the step adds to the accumulators after the switch (module docstring)."""
     dx: jax.Array
     d_params: Any                    # the chunk's, in the parameters' dtype
     d_edge: Any                      # the edge row's (head or embedding; zeros elsewhere)
@@ -213,10 +219,7 @@ def _b_idle(rk: Rank, c: Carry, row) -> BOut:
 
 def _switch_f(fns: Fns, rk: Rank, c: Carry, row, backward: bool):
     """This rank's F, if it has one: from the pipeline input (virtual stage 0) or its inbox.
-
-    Its residuals leave the switch and go into the stash after it: a buffer updated inside a
-    switch is an operand of every branch, and XLA then copies all of it each step rather than
-    update it in place (measured on the GPU compiler: twice the stash)."""
+    Its residuals leave the switch and go into the stash after it (module docstring)."""
     j = row["f_chunk"]
     first = j * rk.p + rk.r == 0
     index = jnp.where(j >= 0, 1 + first.astype(jnp.int32), 0)
