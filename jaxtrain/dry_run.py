@@ -462,7 +462,7 @@ class DryRun:
         acts = f"activations {e.activation_bytes / scale:.2f}"
         if ex is not None:
             sets = e.activation_bytes - e.pipeline_buffer_bytes
-            acts += (f" (the executor's {ex.stash_buffer} + 1 stashed {ex.chunk_layers}-layer "
+            acts += (f" (the executor's {ex.stash_buffer} + 2 stashed {ex.chunk_layers}-layer "
                      f"chunk residual sets {sets / scale:.2f}; {ex.buffers} chunk inputs of "
                      f"{_human_bytes(e.chunk_input_bytes)}: {ex.inbox_buffer} inbox, "
                      f"{ex.grad_buffer} cotangent, {RECEIVE_BUFFERS} receive)")

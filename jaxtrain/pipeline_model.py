@@ -5,24 +5,36 @@
 stacked [L, ...]) and a global batch [B, S]; loss = summed token loss / token count, so it
 equals the unpipelined step up to float rounding. How the model maps onto the executor:
 
-- embedding: inside the first virtual stage (`embed_fn`), so no activation-sized [m, B, S, D]
-  input or input-gradient buffer exists and 1F1B's memory does not grow with m;
+- edge rows (`split_params`): one vocab table and one final norm per stage rank, sharded over
+  `stage`: rank 0's row is the embedding, rank p-1's the head (the lm_head transposed, or the
+  embedding again when tied) and the final norm, the ranks between hold zeros. So the
+  embedding runs (and is differentiated) on rank 0 only, inside the first virtual stage (no
+  activation-sized [m, B, S, D] input buffer: 1F1B's memory does not grow with m), and the
+  head and loss on rank p-1; each device holds one table's compute copy and gradient
+  accumulator instead of two. The masters and Adam moments stay where the train state keeps
+  them (replicated over stage), so the tables' gradients reach every stage rank in one
+  all-reduce after the loop (with tied embeddings both copies' gradients sum in it);
 - chunks: the blocks split into p*v chunks (pipeline.stack_stages), each run by the model's
   layer runner, so remat policies apply per layer inside a chunk (block:N counts the chunk's
-  layers). With parallel.first/last_stage_layers (Megatron's decoder-first/last-pipeline-
-  num-layers) the stages hold different numbers of layers, each split evenly over its v
-  chunks; chunks are padded to the largest and a padding layer is skipped (a lax.cond per
-  layer on the rank's count), so the lighter first/last stage has time for the embedding's
-  gradient/the head, which only their ranks compute;
+  layers), and an F stashes what the policy saves. With parallel.first/last_stage_layers
+  (Megatron's decoder-first/last-pipeline-num-layers) the stages hold different numbers of
+  layers, each split evenly over its v chunks; chunks are padded to the largest and a padding
+  layer is skipped (a lax.switch per layer on its stacked mode), so the lighter first/last
+  stage has time for the embedding's gradient/the head. Without full recompute the switch
+  makes a B copy its chunk's weights (jax's partial evaluation of a conditional re-emits its
+  operands; ledger.memory prices it), and an FP8 chunk mixing bf16 layers stashes what the
+  switch's branches save together (on the tiny CPU model 6% more than an all-bf16 chunk);
 - RoPE tables: recomputed per chunk from the microbatch's positions (chunk_aux), with its
-  segment ids; cheaper than holding [m, B, S, E] tables;
+  segment ids; what the backward needs of them is stashed with the chunk's residuals;
 - head: final norm + lm_head + summed cross entropy on (targets, loss_mask) as aux.
 
-Microbatches: the global batch [B, S] (sharded over data x fsdp) becomes [m, B/m, S] with the
-rows of each device staying on it (row r of a device's block goes to microbatch r % m, as
-step.split_microbatches). The schedule comes from cfg.parallel (schedule, stage,
-virtual_stages, microbatches). `eval_sums(setup)` is the forward-only variant of
-step.make_eval_step's sums.
+The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once,
+after the loop: a reduce-scatter where ZeRO-1 shards them), mapped back to the params through
+split_params' transpose. Microbatches: the global batch [B, S] (sharded over data x fsdp)
+becomes [m, B/m, S] with the rows of each device staying on it (row r of a device's block goes
+to microbatch r % m, as step.split_microbatches). The schedule comes from cfg.parallel
+(schedule, stage, virtual_stages, microbatches). `eval_sums(setup)` is the forward-only
+variant of step.make_eval_step's sums.
 """
 from __future__ import annotations
 

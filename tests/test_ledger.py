@@ -192,19 +192,20 @@ def test_activations_in_estimate_for_the_pipeline_executor():
     ex = est.executor
     # 1F1B, 4 stages: rank 0 stashes 2(p-1) = 6 microbatches' chunk residuals (lock-step's
     # warm-up), and every rank allocates that (one SPMD program); the last stage's B holds a
-    # seventh set while it runs its chunk forward and backward at once. Buffers: 1 inbox, 1
-    # cotangent, 2 receive slots, each a bf16 chunk input split over tensor.
+    # seventh set while it runs its chunk forward and backward at once, and one more is in
+    # transit to or from the stash. Buffers: 1 inbox, 1 cotangent, 2 receive slots, each a
+    # bf16 chunk input split over tensor.
     assert ex.chunk_layers == 24 and est.chunk_input_bytes == sbh * 2 / 8
     assert ex.stash_buffer == 6 and ex.buffers == 1 + 1 + 2
     buffers = 4 * sbh * 2 / 8
     assert est.pipeline_buffer_bytes == buffers
-    assert est.inflight_layer_microbatches == 7 * 24
-    assert est.activation_bytes == pytest.approx(buffers + 7 * 24 * per_layer)
+    assert est.inflight_layer_microbatches == 8 * 24
+    assert est.activation_bytes == pytest.approx(buffers + 8 * 24 * per_layer)
     assert est.activation_bytes_by_remat["none"] == pytest.approx(
-        buffers + 7 * 24 * (per_layer + scores))
+        buffers + 8 * 24 * (per_layer + scores))
     # Full recompute: each layer's input (2sbh/t) stashed, one layer re-materialised by a B.
     assert est.activation_bytes_by_remat["full"] == pytest.approx(
-        buffers + 7 * 24 * 2 * sbh / 8 + per_layer + scores)
+        buffers + 8 * 24 * 2 * sbh / 8 + per_layer + scores)
     # Without stages: gradient accumulation holds one microbatch of all 96 layers.
     cfg.parallel = ParallelConfig(tensor=8, sequence_parallel=True, data=2, microbatches=8)
     est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 16), "h100")
@@ -359,7 +360,7 @@ def test_describe_and_speed():
     assert time.perf_counter() - start < 0.05
     text = ledger.describe(est)
     assert "tensor=8" in text and "fits" in text and "MFU" in text and "bubble 1.6%" in text
-    assert "pipeline executor: 80 lock-step steps" in text and "16 + 1 stashed" in text
+    assert "pipeline executor: 80 lock-step steps" in text and "16 + 2 stashed" in text
 
 
 def test_ledger_imports_without_jax():

@@ -121,14 +121,14 @@ def test_small_pipelined_estimate_by_hand():
     assert est.params_local == n_local
     assert est.static_bytes == pytest.approx(n_local * (2 + 4) + n_state * 12 / 2
                                              + 4 * LAYER_LOCAL * 2)
-    # Activations: 2 stashed + 1 (the last stage's B) sets of 4 layers' residuals, and 4
-    # chunk-input buffers (bf16, split over tensor).
+    # Activations: 2 stashed + 1 (the last stage's B) + 1 (in transit) sets of 4 layers'
+    # residuals, and 4 chunk-input buffers (bf16, split over tensor).
     chunk_input = SBH * 2 / 2
     assert est.chunk_input_bytes == chunk_input
-    assert est.activation_bytes == pytest.approx(4 * chunk_input + 3 * 4 * PER_LAYER_ACTS)
+    assert est.activation_bytes == pytest.approx(4 * chunk_input + 4 * 4 * PER_LAYER_ACTS)
     # Full recompute inside the chunk: each layer's input in a set + one layer re-materialised.
     assert est.activation_bytes_by_remat["full"] == pytest.approx(
-        4 * chunk_input + 3 * 4 * SBH * 2 / 2 + PER_LAYER_ACTS)
+        4 * chunk_input + 4 * 4 * SBH * 2 / 2 + PER_LAYER_ACTS)
     # HFU: nothing is run again without remat.
     assert est.model_flops_per_token == ledger.model_flops_per_token(cfg)
     assert est.hfu_flops_per_token == est.model_flops_per_token
@@ -164,7 +164,7 @@ def test_uneven_stages_pad_every_rank_to_the_largest_chunk():
     assert est.stage_layers == (3, 5) and est.executor.chunk_layers == 5
     # Both ranks hold 5 layers (the executor's chunks are padded) and an edge row.
     assert est.params_local == 5 * LAYER_LOCAL + TABLE_LOCAL + H
-    assert est.inflight_layer_microbatches == 3 * 5
+    assert est.inflight_layer_microbatches == 4 * 5
     # The per-layer switch that skips padding makes a B copy its chunk's weights (bf16),
     # besides the chunk gradient, without full recompute; inside a checkpoint it does not.
     weights = 5 * LAYER_LOCAL * 2
@@ -205,13 +205,14 @@ def test_candidate_a_of_the_worked_example():
     """Llama 3 70B on 1024 H100s, TP 8 (SP), PP 4 with 4 virtual stages, DP 32, micro-batch 1
     (16 microbatches): Megatron's accounting holds 27.4 GB of activations on the first stage
     (80 layers x 34·s·b·h/t, x1.2 for SwiGLU). The executor's rank 0 stashes the interleaved
-    warm-up's 18 chunk residual sets, the last stage's B one more: 19 x 5 layers."""
+    warm-up's 18 chunk residual sets, the last stage's B and the one in transit two more:
+    20 x 5 layers (Megatron's 19 in flight, with its own 34·s·b·h/t per layer)."""
     cfg = load_recipe(str(ROOT / "configs" / "llama70b.py"))
     layout = ledger.Layout(tensor=8, stage=4, virtual_stages=4, data=32, micro_batch=1,
                            microbatches=16, sequence_parallel=True, zero1=True,
                            schedule="interleaved_1f1b")
     est = ledger.estimate(cfg, layout, "h100")
-    assert est.executor.stash_buffer == 18 and est.inflight_layer_microbatches == 19 * 5
+    assert est.executor.stash_buffer == 18 and est.inflight_layer_microbatches == 20 * 5
     assert est.activation_bytes == pytest.approx(27.4e9, rel=0.05)
     assert est.fits
 

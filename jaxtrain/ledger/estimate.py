@@ -334,7 +334,7 @@ def describe(est: Estimate) -> str:
         sets = est.activation_bytes - est.pipeline_buffer_bytes
         lines.insert(1, (
             f"pipeline executor: {ex.steps} lock-step steps (idle {est.lockstep_bubble:.1%}), "
-            f"{ex.sends} sends of {mib:.4g} MiB; {ex.stash_buffer} + 1 stashed "
+            f"{ex.sends} sends of {mib:.4g} MiB; {ex.stash_buffer} + 2 stashed "
             f"{ex.chunk_layers}-layer chunk residual sets {sets / GiB:.2f} GiB; buffers "
             f"{ex.inbox_buffer} inbox + {ex.grad_buffer} cotangent + "
             f"{pipeline.RECEIVE_BUFFERS} receive x {mib:.4g} MiB"))

@@ -13,9 +13,10 @@ Conventions (DESIGN.md §5):
 - In flight. Without pipeline stages, gradient accumulation runs one microbatch at a time:
   L layer-microbatches. With stages, the executor (ledger.pipeline) stashes each F's chunk
   residuals for its microbatch, as the remat config stores them, until the B: the busiest
-  rank's stash slots plus the one set the last virtual stage's B holds while it runs forward
-  and backward at once (Megatron's in-flight microbatches: 2(p-1-r) + (v-1)p + 1 chunks on
-  rank r, lock-step's warm-up), what a B re-materialises at once under full recompute, and
+  rank's stash slots (2(p-1-r) + (v-1)p on rank r: lock-step's warm-up, Megatron's in-flight
+  microbatches less one), the set the last virtual stage's B holds while it runs forward and
+  backward at once and one set in transit between a switch and the stash (the GPU
+  compiler's buffer assignment), what a B re-materialises at once under full recompute, and
   its chunk-input buffers (inbox, cotangent and two receive slots). Chunks padded or mixing
   bf16 and FP8 layers (a per-layer switch) copy the chunk's weights once while a B runs,
   without full recompute (jax's partial evaluation of a conditional re-emits its operands).
@@ -249,12 +250,13 @@ def pipeline_weight_bytes(cfg: Config, layout: Layout, remat: RematConfig,
 
 def pipelined_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,
                           seq_len: int, ex: Executor) -> Activations:
-    """What one device of the pipeline executor holds: the stash slots' chunk residuals and
-    the last stage's B's own set (each one microbatch of one chunk under the remat config),
-    what a B re-materialises at once, and its chunk-input buffers (Megatron's accounting of
-    a pipeline stage's in-flight activations)."""
+    """What one device of the pipeline executor holds: the stash slots' chunk residuals, the
+    last stage's B's own set and one set in transit (what an F hands to the stash, or a B
+    reads out of it; each one microbatch of one chunk under the remat config), what a B
+    re-materialises at once, and its chunk-input buffers (Megatron's accounting of a pipeline
+    stage's in-flight activations)."""
     stored, working = chunk_residual_bytes(cfg, layout, remat, flash, seq_len, ex.chunk_layers)
-    sets = ex.stash_buffer + 1
+    sets = ex.stash_buffer + 2
     buffers = ex.buffers * chunk_input_bytes(cfg, layout, seq_len)
     return Activations(per_layer=stored / ex.chunk_layers, inflight=sets * ex.chunk_layers,
                        working_set=working, total=sets * stored + working + buffers,
