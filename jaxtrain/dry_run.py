@@ -378,12 +378,10 @@ class DryRun:
         compiled: dict = {}
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
             compiled[axes] = compiled.get(axes, 0.0) + b
-        c, L = self.estimate.comm_bytes, self.estimate.layout
-        # The executor sums the replicated vocab tables' gradients over stage (and data).
-        vocab_axes = ("stage",) if L.data == 1 else ("stage", "data")
+        c = self.estimate.comm_bytes
+        # The vocab tables' gradients reach every stage rank in an all-reduce over stage.
         ledger = {("tensor",): c["tp"], ("data",): c["dp"], ("fsdp",): c["fsdp"],
-                  ("stage",): c["pp"]}
-        ledger[vocab_axes] = ledger.get(vocab_axes, 0.0) + c["vocab"]
+                  ("stage",): c["pp"] + c["vocab"]}
         keys = [k for k in ledger if ledger[k] or k in compiled]
         keys += sorted((k for k in compiled if k not in ledger), key=str)
         return {k: (ledger.get(k), compiled.get(k)) for k in keys}
@@ -413,9 +411,9 @@ class DryRun:
             elif in_loop:
                 what = f"{runs} runs inside the schedule loop"
             elif kind == "all-reduce":
-                what = f"after the loop, {mib(payload_total)}: the loss" + (
-                    f" and the replicated embedding/head gradients (ledger vocab "
-                    f"{gb(e.comm_bytes['vocab']).strip()})" if e.layout.data == 1 else "")
+                what = (f"after the loop, {mib(payload_total)}: the loss and the embedding/head "
+                        f"gradients to every stage rank (ledger vocab "
+                        f"{gb(e.comm_bytes['vocab']).strip()})")
             else:
                 what = (f"outside the loop, {mib(payload_total)}: layers moved between their "
                         "stored order and the chunks'")
@@ -479,9 +477,7 @@ class DryRun:
         label = lambda a: "?" if a is None else (",".join(a) or "-")  # noqa: E731
         gb = lambda x: "-" if x is None else f"{x / scale:10.3f}"  # noqa: E731
         kinds = {("tensor",): "TP", ("data",): "DP", ("fsdp",): "FSDP",
-                 ("stage",): "PP" + (" + vocab" if L.data == 1 else ""),
-                 ("stage", "data"): "vocab: the replicated embedding/head gradients, summed "
-                 "over stage and data", (): "1-device groups: no traffic"}
+                 ("stage",): "PP + vocab", (): "1-device groups: no traffic"}
         out.append(f"  {'axes':22}  {'ledger':>10}  {'compiled':>10}")
         for a, (lg, cp) in comm.items():
             out.append(f"  {label(a):22}  {gb(lg):>10}  {gb(cp):>10}   {kinds.get(a, '')}")
@@ -491,9 +487,10 @@ class DryRun:
             out.append("  none (a single device, or nothing sharded)")
         if ex is not None:
             out.append(
-                f"  pipelined: the HLO counts a chunk's layer collectives in every step's F and B "
-                f"(3 x {ex.steps} chunk passes), the ledger the {ex.forward_passes} forward + "
-                f"{ex.backward_passes} backward passes run: x{self.hlo_pass_factor():.3g}")
+                f"  pipelined: the HLO counts a chunk's layer collectives in every branch of the "
+                f"{ex.steps} steps, the ledger the {ex.forward_passes} forward + "
+                f"{ex.backward_passes} backward passes a rank runs: "
+                f"x{self.hlo_pass_factor():.3g}")
         out += ["", "compiled collectives (CPU all-reduce-then-slice counted as reduce-scatter):",
                 hlo.format_summary(self.collectives) if self.collectives else "  none", ""]
 

@@ -275,8 +275,9 @@ def test_comm_formulas_small_layout():
     n_local = 4 * layer_local + table + 1024
     assert est.params_local == n_local
     assert est.comm_bytes["dp"] == 2 * (n_local + table) * 2
-    # The tables' fp32 gradients go from their rank to every stage rank (an all-reduce, p=2).
-    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * table + 1024) * 4
+    # The tables' fp32 gradients go from their rank to every stage rank (an all-reduce, p=2),
+    # of their ZeRO-1 shard over data 2.
+    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * table + 1024) * 4 / 2
     assert est.comm_bytes["fsdp"] == est.comm_bytes["cp"] == 0
     assert set(est.comm_links.values()) == {"nvlink"}  # 8 devices: one node
     fsdp = dataclasses.replace(layout, data=1, fsdp=2, zero1=False)

@@ -23,7 +23,8 @@ Conventions (DESIGN.md §5), N_local = parameters one device holds after TP and 
 - Vocab (stages only): the embedding's gradient (rank 0) and the head's (+ final norm, rank
   p-1) go to every stage rank, whose optimizer holds both tables, in an fp32 all-reduce over
   stage once per step: ring 2·(p-1)/p·(2 tables + h)·4 bytes (one table's when tied: its
-  two copies' gradients are summed in that one all-reduce).
+  two copies' gradients are summed in that one all-reduce), of the ZeRO-1 shard (/data):
+  XLA reduce-scatters over data first (the GPU compiler's program).
 - CP (ring attention, not in DESIGN.md's list): K and V chunks pass c-1 hops forward, and K, V
   plus their gradients backward: (c-1)·2·(s/c)·b·(K·E/t)·2 bytes per forward layer pass and
   twice that per backward one.
@@ -124,7 +125,8 @@ def vocab_bytes(cfg: Config, layout: Layout) -> float:
         return 0.0
     table = padded_vocab(m.vocab_size, t) * m.hidden_size / t
     tables = 1 if m.tie_embeddings else 2
-    return 2.0 * (p - 1) / p * (tables * table + m.hidden_size) * 4
+    shard = layout.data * layout.context if layout.zero1 else 1
+    return 2.0 * (p - 1) / p * (tables * table + m.hidden_size) * 4 / shard
 
 
 def cp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes) -> float:
