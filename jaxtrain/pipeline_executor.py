@@ -122,6 +122,11 @@ def _put(buf, slot, val):
     return buf.at[s].set(jnp.where(slot >= 0, val, buf[s]))
 
 
+def _opaque_zero(x):
+    """int32 0 that depends on x, which XLA's simplifier cannot fold away."""
+    return (jnp.minimum(jnp.abs(x), 0) > 0).astype(jnp.int32)
+
+
 def _take(tree, k):
     return jax.tree.map(lambda a: a[k], tree)
 
@@ -268,6 +273,10 @@ def _step(fns: Fns, rk: Rank, combine: GradCombine, backward: bool, cols, c: Car
         c = c._replace(cots=_put(c.cots, row["recv_g"], c.recv_g))
         c, send_g = _switch_b(fns, rk, combine, c, row)
         c = c._replace(held=c.held - (row["b_res"] >= 0))
+        # The F's stash write must follow the B's read of the same buffers; nothing else
+        # orders them (the F does not use the B's results), and XLA:CPU then copied every
+        # stash buffer twice per step. An index offset XLA cannot prove zero orders them.
+        row = dict(row, f_res=row["f_res"] + _opaque_zero(c.loss))
     c, send_x = _switch_f(fns, rk, c, row, backward)
     held = c.held + (row["f_res"] >= 0)
     c = c._replace(held=held, peak=jnp.maximum(c.peak, held), recv_x=lax.ppermute(
