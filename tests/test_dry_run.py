@@ -269,9 +269,8 @@ def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
     assert r.memory["argument_bytes"] == pytest.approx(ledger["state"], rel=0.01)
     # Temporaries: the executor's 16 + 2 stashed 5-layer residual sets (with XLA:CPU's s x s
     # scores, which it stores in fp32: see test_ledger_calibration), params, grads, logits.
-    # Measured 1.65x the ledger (1016.7 vs 617.8 GiB): XLA:CPU also copies the stash each
-    # schedule step (the GPU compiler updates it in place: tests/test_gpu_compile.py).
-    assert 1.0 < r.memory["temp_bytes"] / ledger["temp"] < 2.0
+    # Measured 1.20x the ledger (783.4 vs 650.5 GiB).
+    assert 1.0 < r.memory["temp_bytes"] / ledger["temp"] < 1.5
     # The lock-step table predicts the trip-count-aware matmul FLOPs; executed, a device runs
     # the model's (no recompute), as the unpipelined step would.
     assert r.matmul_flops == pytest.approx(dry_run.branch_matmul_flops(r.cfg, L, t), rel=0.01)
