@@ -6,6 +6,8 @@ release breaks here, loudly, and tests/test_compat.py says which helper.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 
@@ -30,3 +32,26 @@ def jaxpr_as_fun(closed_jaxpr):
     """A ClosedJaxpr as a function of its flat inputs (to lower it again)."""
     from jax._src import core
     return core.jaxpr_as_fun(closed_jaxpr)
+
+
+def outputs_depending_on(closed_jaxpr, unknown_inputs) -> list:
+    """Per output of `closed_jaxpr`: whether it depends on an input flagged in
+    `unknown_inputs` (jax's partial evaluation decides, through loops and conditionals)."""
+    from jax._src.interpreters import partial_eval as pe
+    return list(pe.partial_eval_jaxpr_nounits(closed_jaxpr, list(unknown_inputs), False)[2])
+
+
+def known_outputs(closed_jaxpr, unknown_inputs, wanted) -> Any:
+    """A ClosedJaxpr computing the `wanted` outputs (which must not depend on the unknown
+    inputs) from the known inputs alone, in their order: what partial evaluation's known part
+    runs, with everything else removed."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+    known, _, out_unknowns, _ = pe.partial_eval_jaxpr_nounits(closed_jaxpr, list(unknown_inputs),
+                                                              False)
+    if any(w and u for w, u in zip(wanted, out_unknowns)):
+        raise ValueError("a wanted output depends on the unknown inputs")
+    n_res = len(known.jaxpr.outvars) - sum(not u for u in out_unknowns)
+    used = [w for w, u in zip(wanted, out_unknowns) if not u] + [False] * n_res
+    jaxpr, _ = pe.dce_jaxpr(known.jaxpr, used, instantiate=True)
+    return core.ClosedJaxpr(jaxpr, known.consts)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from jaxtrain import config
 from jaxtrain.config import Config, ConfigError
@@ -64,6 +65,9 @@ from jaxtrain.ledger.memory import layer_params_local, padded_vocab, workspace_b
 from jaxtrain.ledger.hardware import GB, GiB
 from jaxtrain.ledger.layout import layers_per_chunk, layout_from_config, tensor_splits_model
 from jaxtrain.ledger.pipeline import RECEIVE_BUFFERS
+
+if TYPE_CHECKING:
+    from jaxtrain import gpu_program, pipeline_flops
 
 DEGREES = ("tensor", "stage", "data", "fsdp", "context")
 
@@ -310,15 +314,17 @@ def _human_bytes(x: float) -> str:
 
 def branch_matmul_flops(cfg: Config, layout: Layout, ex: Executor) -> float:
     """Matmul FLOPs per device per step as the HLO reader counts the executor: every branch of
-    every table step, i.e. a chunk forward (F) and a B (the chunk's forward again, its backward
-    at twice that, the head's forward and backward) in each of its steps (remat none)."""
+    every table step (remat none), i.e. the F switch's two chunk forwards (from the inbox, from
+    the embedding) and the B switch's stashed backwards (twice a forward; a middle stage's and
+    virtual stage 0's) and the last stage's forward + backward + head forward and backward."""
     m, t, seq = cfg.model, layout.tensor, cfg.train.seq_len
     tokens = layout.micro_batch * seq / layout.context
     layer = (2 * layer_params_local(cfg, t)
              + 4 * m.num_heads * m.resolved_head_dim * seq / t)
     chunk = tokens * ex.chunk_layers * layer
     head = tokens * 2 * m.hidden_size * padded_vocab(m.vocab_size, t) / t
-    return ex.steps * (4 * chunk + 3 * head)
+    middle = 2 if ex.stages * ex.virtual_stages > 2 else 0
+    return ex.steps * ((2 + middle + 2 + 3) * chunk + 3 * head)
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -339,6 +345,7 @@ class DryRun:
     compile_s: float
     device_kind: str
     gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
+    executed: "pipeline_flops.ExecutedFlops | None" = None  # pipelined: per rank, as run
 
     @property
     def n_devices(self) -> int:
@@ -352,19 +359,21 @@ class DryRun:
     def ledger_memory(self) -> dict[str, float]:
         e = self.estimate
         s = e.static_breakdown
-        temps = s["param"] + s["grad"] + s.get("fsdp_buffers", 0.0) + e.activation_bytes \
+        temps = sum(v for k, v in s.items() if k != "optimizer") + e.activation_bytes \
             + e.reserve_bytes
         return {"state": s["optimizer"], "temp": temps, "total": e.total_bytes,
                 "temp_no_workspace": temps - workspace_bytes(self.cfg)}
 
     def hlo_pass_factor(self) -> float:
         """Compiled over ledger layer traffic (TP, FSDP) from counting alone: the HLO reader
-        counts a chunk's collectives in every table step's F and B branches (3 chunk passes),
-        the ledger the passes the executor runs. 1 without stages."""
+        counts a chunk's collectives in every branch of every table step (3 forward passes:
+        two F branches and the last stage's B; 2 or 3 backward ones), the ledger the passes a
+        rank runs. 1 without stages."""
         ex = self.executor
         if ex is None:
             return 1.0
-        return 3 * ex.steps / (ex.forward_passes + ex.backward_passes)
+        backward = 3 if ex.stages * ex.virtual_stages > 2 else 2
+        return (3 + backward) * ex.steps / (ex.forward_passes + ex.backward_passes)
 
     def comm_by_axes(self) -> dict[tuple, tuple[float | None, float | None]]:
         """axes -> (ledger bytes, compiled wire bytes) per device per step."""
@@ -372,12 +381,10 @@ class DryRun:
         compiled: dict = {}
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
             compiled[axes] = compiled.get(axes, 0.0) + b
-        c, L = self.estimate.comm_bytes, self.estimate.layout
-        # The executor sums the replicated vocab tables' gradients over stage (and data).
-        vocab_axes = ("stage",) if L.data == 1 else ("stage", "data")
+        c = self.estimate.comm_bytes
+        # The vocab tables' gradients reach every stage rank in an all-reduce over stage.
         ledger = {("tensor",): c["tp"], ("data",): c["dp"], ("fsdp",): c["fsdp"],
-                  ("stage",): c["pp"]}
-        ledger[vocab_axes] = ledger.get(vocab_axes, 0.0) + c["vocab"]
+                  ("stage",): c["pp"] + c["vocab"]}
         keys = [k for k in ledger if ledger[k] or k in compiled]
         keys += sorted((k for k in compiled if k not in ledger), key=str)
         return {k: (ledger.get(k), compiled.get(k)) for k in keys}
@@ -407,9 +414,9 @@ class DryRun:
             elif in_loop:
                 what = f"{runs} runs inside the schedule loop"
             elif kind == "all-reduce":
-                what = f"after the loop, {mib(payload_total)}: the loss" + (
-                    f" and the replicated embedding/head gradients (ledger vocab "
-                    f"{gb(e.comm_bytes['vocab']).strip()})" if e.layout.data == 1 else "")
+                what = (f"after the loop, {mib(payload_total)}: the loss and the embedding/head "
+                        f"gradients to every stage rank (ledger vocab "
+                        f"{gb(e.comm_bytes['vocab']).strip()})")
             else:
                 what = (f"outside the loop, {mib(payload_total)}: layers moved between their "
                         "stored order and the chunks'")
@@ -455,11 +462,11 @@ class DryRun:
         out += [f"  {a:{w}}  {num(b):>10}  {num(c):>10}   {d}" for a, b, c, d in rows]
         acts = f"activations {e.activation_bytes / scale:.2f}"
         if ex is not None:
-            chunk = e.activation_bytes - e.pipeline_buffer_bytes
-            acts += (f" (the executor's {ex.buffers} chunk inputs of "
-                     f"{_human_bytes(e.chunk_input_bytes)}: {ex.stash_buffer} stash, "
-                     f"{ex.grad_buffer} cotangent, {RECEIVE_BUFFERS} receive; + one "
-                     f"{ex.chunk_layers}-layer chunk recomputed in a B {chunk / scale:.2f})")
+            sets = e.activation_bytes - e.pipeline_buffer_bytes
+            acts += (f" (the executor's {ex.stash_buffer} + 2 stashed {ex.chunk_layers}-layer "
+                     f"chunk residual sets {sets / scale:.2f}; {ex.buffers} chunk inputs of "
+                     f"{_human_bytes(e.chunk_input_bytes)}: {ex.inbox_buffer} inbox, "
+                     f"{ex.grad_buffer} cotangent, {RECEIVE_BUFFERS} receive)")
         out.append(f"  ledger terms ({unit}): static {e.static_bytes / scale:.2f} (" + ", ".join(
             f"{k} {v / scale:.2f}" for k, v in e.static_breakdown.items() if v)
             + f"; {e.bytes_per_param:.1f} B/param), {acts}, reserve {e.reserve_bytes / scale:.2f}"
@@ -473,9 +480,7 @@ class DryRun:
         label = lambda a: "?" if a is None else (",".join(a) or "-")  # noqa: E731
         gb = lambda x: "-" if x is None else f"{x / scale:10.3f}"  # noqa: E731
         kinds = {("tensor",): "TP", ("data",): "DP", ("fsdp",): "FSDP",
-                 ("stage",): "PP" + (" + vocab" if L.data == 1 else ""),
-                 ("stage", "data"): "vocab: the replicated embedding/head gradients, summed "
-                 "over stage and data", (): "1-device groups: no traffic"}
+                 ("stage",): "PP + vocab", (): "1-device groups: no traffic"}
         out.append(f"  {'axes':22}  {'ledger':>10}  {'compiled':>10}")
         for a, (lg, cp) in comm.items():
             out.append(f"  {label(a):22}  {gb(lg):>10}  {gb(cp):>10}   {kinds.get(a, '')}")
@@ -485,9 +490,10 @@ class DryRun:
             out.append("  none (a single device, or nothing sharded)")
         if ex is not None:
             out.append(
-                f"  pipelined: the HLO counts a chunk's layer collectives in every step's F and B "
-                f"(3 x {ex.steps} chunk passes), the ledger the {ex.forward_passes} forward + "
-                f"{ex.backward_passes} backward passes run: x{self.hlo_pass_factor():.3g}")
+                f"  pipelined: the HLO counts a chunk's layer collectives in every branch of the "
+                f"{ex.steps} steps, the ledger the {ex.forward_passes} forward + "
+                f"{ex.backward_passes} backward passes a rank runs: "
+                f"x{self.hlo_pass_factor():.3g}")
         out += ["", "compiled collectives (CPU all-reduce-then-slice counted as reduce-scatter):",
                 hlo.format_summary(self.collectives) if self.collectives else "  none", ""]
 
@@ -501,9 +507,12 @@ class DryRun:
                    "loop body once)")
         if ex is not None:
             out.append(
-                f"  pipelined: every branch of the {ex.steps} steps (F + B with its recomputed "
-                f"F + the head), as the HLO reader counts them: "
-                f"{branch_matmul_flops(self.cfg, L, ex):.4g}")
+                f"  pipelined: every branch of the {ex.steps} steps, as the HLO reader counts "
+                f"them: {branch_matmul_flops(self.cfg, L, ex):.4g}")
+        if self.executed is not None:
+            out.append("  executed (each rank's F and B branches as its table takes them): "
+                       + ", ".join(f"{f:.4g}" for f in self.executed.per_rank)
+                       + f" per rank; mean {self.executed.mean:.4g}")
         if self.gpu_report is not None:
             out.append(self.gpu_report.format())
         return "\n".join(out)
@@ -518,6 +527,10 @@ class DryRun:
             "config": self.config_name, "devices": self.n_devices, "device": self.device_kind,
             "layout": self.estimate.layout.short(), "changes": list(self.changes),
             "compiled": {"memory": self.memory, "matmul_flops": self.matmul_flops,
+                         "executed_matmul_flops": None if self.executed is None else {
+                             "per_rank": list(self.executed.per_rank),
+                             "mean": self.executed.mean, "max": self.executed.max,
+                             "every_branch": self.executed.every_branch},
                          "xla_flops": self.xla_flops,
                          "collectives": [{"kind": k, "axes": axes(a), "payload_bytes": v,
                                           "wire_bytes": w} for (k, a), v, w in (
@@ -592,8 +605,12 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
         xla_flops = None
     layout = layout_from_config(scaled, len(present))
     est = estimate(scaled, layout, gpu, flash=flash)
+    executed = None
+    if est.executor is not None:
+        from jaxtrain import pipeline_flops
+        executed = pipeline_flops.for_step(out.text, est.executor)
     return DryRun(config_name=config_name, cfg=scaled, planned=planned, changes=changes,
                   estimate=est, memory=mem, collectives=colls,
                   matmul_flops=hlo.matmul_flops_from_text(out.text), xla_flops=xla_flops,
                   lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
-                  gpu_report=report)
+                  gpu_report=report, executed=executed)

@@ -5,24 +5,36 @@
 stacked [L, ...]) and a global batch [B, S]; loss = summed token loss / token count, so it
 equals the unpipelined step up to float rounding. How the model maps onto the executor:
 
-- embedding: inside the first virtual stage (`embed_fn`), so no activation-sized [m, B, S, D]
-  input or input-gradient buffer exists and 1F1B's memory does not grow with m;
+- edge rows (`split_params`): one vocab table and one final norm per stage rank, sharded over
+  `stage`: rank 0's row is the embedding, rank p-1's the head (the lm_head transposed, or the
+  embedding again when tied) and the final norm, the ranks between hold zeros. So the
+  embedding runs (and is differentiated) on rank 0 only, inside the first virtual stage (no
+  activation-sized [m, B, S, D] input buffer: 1F1B's memory does not grow with m), and the
+  head and loss on rank p-1; each device holds one table's compute copy and gradient
+  accumulator instead of two. The masters and Adam moments stay where the train state keeps
+  them (replicated over stage), so the tables' gradients reach every stage rank in one
+  all-reduce after the loop (with tied embeddings both copies' gradients sum in it);
 - chunks: the blocks split into p*v chunks (pipeline.stack_stages), each run by the model's
   layer runner, so remat policies apply per layer inside a chunk (block:N counts the chunk's
-  layers). With parallel.first/last_stage_layers (Megatron's decoder-first/last-pipeline-
-  num-layers) the stages hold different numbers of layers, each split evenly over its v
-  chunks; chunks are padded to the largest and a padding layer is skipped (a lax.cond per
-  layer on the rank's count), so the lighter first/last stage has time for the embedding's
-  gradient/the head, which only their ranks compute;
+  layers), and an F stashes what the policy saves. With parallel.first/last_stage_layers
+  (Megatron's decoder-first/last-pipeline-num-layers) the stages hold different numbers of
+  layers, each split evenly over its v chunks; chunks are padded to the largest and a padding
+  layer is skipped (a lax.switch per layer on its stacked mode), so the lighter first/last
+  stage has time for the embedding's gradient/the head. Without full recompute the switch
+  makes a B copy its chunk's weights (jax's partial evaluation of a conditional re-emits its
+  operands; ledger.memory prices it), and an FP8 chunk mixing bf16 layers stashes what the
+  switch's branches save together (on the tiny CPU model 6% more than an all-bf16 chunk);
 - RoPE tables: recomputed per chunk from the microbatch's positions (chunk_aux), with its
-  segment ids; cheaper than holding [m, B, S, E] tables;
+  segment ids; what the backward needs of them is stashed with the chunk's residuals;
 - head: final norm + lm_head + summed cross entropy on (targets, loss_mask) as aux.
 
-Microbatches: the global batch [B, S] (sharded over data x fsdp) becomes [m, B/m, S] with the
-rows of each device staying on it (row r of a device's block goes to microbatch r % m, as
-step.split_microbatches). The schedule comes from cfg.parallel (schedule, stage,
-virtual_stages, microbatches). `eval_sums(setup)` is the forward-only variant of
-step.make_eval_step's sums.
+The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once,
+after the loop: a reduce-scatter where ZeRO-1 shards them), mapped back to the params through
+split_params' transpose. Microbatches: the global batch [B, S] (sharded over data x fsdp)
+becomes [m, B/m, S] with the rows of each device staying on it (row r of a device's block goes
+to microbatch r % m, as step.split_microbatches). The schedule comes from cfg.parallel
+(schedule, stage, virtual_stages, microbatches). `eval_sums(setup)` is the forward-only
+variant of step.make_eval_step's sums.
 """
 from __future__ import annotations
 
@@ -100,9 +112,6 @@ class PipelineModel:
         return int(modes.pop()) if even and len(modes) == 1 else None
 
     # The executor's three functions; none closes over a differentiated value.
-    def embed_fn(self, embed_params, inputs):
-        return self.bind(embed_params).embed_tokens(inputs["inputs"])
-
     def chunk_fn(self, chunk, x_BSD, chunk_aux, *, mode=None):
         """chunk = (layer states [Lc, ...], modes [Lc]); `mode` (static) when all are equal."""
         cos, sin = model_lib.rope_tables(self.setup.model_cfg, chunk_aux["positions"])
@@ -122,46 +131,114 @@ class PipelineModel:
             return jax.lax.switch(m.astype(jnp.int32), branches)
         return self.run_layers(any_mode, x_BSD, chunk)
 
-    def head_loss_fn(self, head_params, x_BSD, aux):
-        logits_BSV = self.bind(head_params).logits(x_BSD)
+    def head_params_of(self, edge_row):
+        """The final norm and the head of rank p-1's edge row (its table is the lm_head's
+        transpose, or the embedding itself when tied)."""
+        head = {"final_norm": edge_row["norm"]}
+        if self.setup.cfg.model.tie_embeddings:
+            head["embed"] = edge_row["table"]
+        else:
+            head["lm_head"] = edge_row["table"].T
+        return head
+
+    def embed_fn(self, edge_row, inputs):
+        return self.bind({"embed": edge_row["table"]}).embed_tokens(inputs["inputs"])
+
+    def head_loss_fn(self, edge_row, x_BSD, aux):
+        logits_BSV = self.bind(self.head_params_of(edge_row)).logits(x_BSD)
         return model_lib.cross_entropy_sum(logits_BSV, aux["targets"], aux["loss_mask"])[0]
 
+    def modes(self, use_fp8: bool):
+        """[p, v, Lc] what each chunk row runs as (a constant, in the stored chunk order)."""
+        p, v = self.schedule.stages, self.schedule.virtual_stages
+        modes = self.setup.layer_order.from_natural(self.layer_modes(use_fp8))
+        return jnp.asarray(modes).reshape(p, v, -1)
+
     def split_params(self, params, fp8_meta=None):
-        """(chunks ([p, v, Lc, ...] layer states, [p, v, Lc] modes), head params, embed params)
-        of the train state's pure-dict params (and FP8 metas, which go with their layers)."""
-        cfg = self.setup.cfg
+        """(chunk layer states [p, v, Lc, ...], edge rows) of the train state's pure-dict params
+        (and FP8 metas, which go with their layers). Edge rows: one vocab table and one norm per
+        stage rank, sharded over `stage`: rank 0 holds the embedding, rank p-1 the head (the
+        lm_head transposed to [V, D], or the embedding again when tied) and the final norm,
+        the ranks between zeros. Linear in its inputs (its transpose maps the executor's
+        gradients back)."""
+        cfg, p = self.setup.cfg, self.schedule.stages
         metas = None if fp8_meta is None else {"blocks": fp8_meta["blocks"]}
         blocks = self.bind({"blocks": params["blocks"]}, metas).block_fn()[1]
-        modes = jnp.asarray(self.setup.layer_order.from_natural(
-            self.layer_modes(fp8_meta is not None)))
         # stored in chunk order (layer_order): a local reshape to [p, v, Lc, ...]
-        p, v = self.schedule.stages, self.schedule.virtual_stages
-        chunks = jax.tree.map(lambda a: a.reshape((p, v, -1) + a.shape[1:]), (blocks, modes))
-        head = {"final_norm": params["final_norm"]}
-        head.update({"embed": params["embed"]} if cfg.model.tie_embeddings
-                    else {"lm_head": params["lm_head"]})
-        return chunks, head, {"embed": params["embed"]}
+        v = self.schedule.virtual_stages
+        chunks = jax.tree.map(lambda a: a.reshape((p, v, -1) + a.shape[1:]), blocks)
+        embed = params["embed"]
+        head = embed if cfg.model.tie_embeddings else params["lm_head"].T
+        # selects, not a stack: each rank picks its row locally (XLA moved a stack's rows
+        # between stages with all-to-alls)
+        rank = lambda a: jnp.arange(p).reshape((p,) + (1,) * a.ndim)  # noqa: E731
+        table = jnp.where(rank(embed) == 0, embed[None],
+                          jnp.where(rank(embed) == p - 1, head[None], 0).astype(embed.dtype))
+        norm = jax.tree.map(lambda a: jnp.where(rank(a) == p - 1, a[None], 0).astype(a.dtype),
+                            params["final_norm"])
+        spec = self.setup.compute_shardings["embed"].spec
+        table = jax.lax.with_sharding_constraint(
+            table, NamedSharding(self.mesh, P(pl.STAGE_AXIS, *spec)))
+        return chunks, {"table": table, "norm": norm}
+
+    def loss_and_grads(self, params, batch, fp8_meta=None):
+        """(mean over microbatches and replicas of their summed token loss, fp32 grads of it
+        w.r.t. params (and the metas' observations, or None)): the executor's manual
+        backward, mapped back through split_params' transpose."""
+        mbs = split_microbatches(batch, self.mesh, self.schedule.microbatches)
+        chunks, edge = self.split_params(params, fp8_meta)
+        loss, (d_chunks, d_edge, _), _ = pl.pipelined_value_and_grad(
+            functools.partial(self.chunk_fn, mode=self.uniform_mode(fp8_meta is not None)),
+            self.head_loss_fn, (chunks, self.modes(fp8_meta is not None)), None,
+            {"inputs": mbs["inputs"]}, {k: mbs[k] for k in HEAD_AUX_KEYS},
+            schedule=self.schedule, mesh=self.mesh, embed_fn=self.embed_fn,
+            chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, edge_params=edge,
+            combine=None if fp8_meta is None else FP8_COMBINE)
+        f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+        # the glue is linear: its transpose at any point (XLA drops the unused forward)
+        _, transpose = jax.vjp(self.split_params, f32(params), f32(fp8_meta))
+        d_params, d_meta = transpose((d_chunks[0], d_edge))
+        return loss, d_params, d_meta
 
     def loss_sum(self, params, batch, fp8_meta=None, *, bubble_fill: float = 0.0):
-        """(mean over microbatches and data replicas of their summed token loss, tokens)."""
+        """(mean over microbatches and data replicas of their summed token loss, tokens),
+        from the forward ops only."""
         mbs = split_microbatches(batch, self.mesh, self.schedule.microbatches)
-        chunks, head, embed = self.split_params(params, fp8_meta)
+        chunks, edge = self.split_params(params, fp8_meta)
         chunk_fn = functools.partial(self.chunk_fn, mode=self.uniform_mode(fp8_meta is not None))
-        # FP8 metas' cotangents are amax observations: max over microbatches and replicas
-        combine = None if fp8_meta is None else pl.GradCombine(fp8_lib.add_grads,
-                                                               fp8_lib.all_reduce_grads)
         loss = pl.pipelined_loss(
-            chunk_fn, self.head_loss_fn, chunks, head, {"inputs": mbs["inputs"]},
-            {k: mbs[k] for k in HEAD_AUX_KEYS}, schedule=self.schedule, mesh=self.mesh,
-            embed_fn=self.embed_fn, embed_params=embed,
+            chunk_fn, self.head_loss_fn, (chunks, self.modes(fp8_meta is not None)), None,
+            {"inputs": mbs["inputs"]}, {k: mbs[k] for k in HEAD_AUX_KEYS},
+            schedule=self.schedule, mesh=self.mesh, embed_fn=self.embed_fn,
             chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, bubble_fill=bubble_fill,
-            combine=combine)
+            edge_params=edge)
         return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32))
 
     @property
     def replicas(self) -> int:
         """How many (microbatch, data replica) losses the executor averages."""
         return self.schedule.microbatches * self.mesh.shape.get(pl.DATA_AXIS, 1)
+
+
+def _add_at_fp8(acc, j, d):
+    """acc[j] += d for gradients (in place); FP8 meta observations max-combine at j."""
+    def one(a, x):
+        if fp8_lib.is_fp8_meta(a):
+            new = fp8_lib.combine_meta_grads(jax.tree.map(lambda t: t[j], a), x)
+            return jax.tree.map(lambda t, n: t.at[j].set(n), a, new)
+        return a.at[j].add(x.astype(a.dtype))
+    return jax.tree.map(one, acc, d, is_leaf=fp8_lib.is_fp8_meta)
+
+
+def _reduce_fp8(tree, axis):
+    """Stacked gradients summed over `axis`, FP8 meta observations max-combined over it."""
+    tree = fp8_lib.max_meta_grads(tree, axis)
+    return jax.tree.map(lambda a: a if fp8_lib.is_fp8_meta(a) else jnp.sum(a, axis=axis), tree,
+                        is_leaf=fp8_lib.is_fp8_meta)
+
+
+# FP8 metas' cotangents are amax observations: max over microbatches and replicas
+FP8_COMBINE = pl.GradCombine(_add_at_fp8, _reduce_fp8)
 
 
 def build(setup) -> PipelineModel:
@@ -216,21 +293,15 @@ def loss_and_grads(setup):
     def fn(params, batch, fp8_meta=None):
         params = compute_params(setup, params)
         tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-        total = jnp.maximum(tokens, 1.0)
-
-        def loss_fn(params_, meta):
-            # the executor averages per-(microbatch, replica) sums: rescale to sum / tokens
-            return pm.loss_sum(params_, batch, meta)[0] * (pm.replicas / total)
-        if fp8_meta is None:
-            loss, grads = jax.value_and_grad(loss_fn)(params, None)
-            meta_grad = None
-        else:
-            # (an observation's amax is a ratio, unchanged by the loss scale above)
-            loss, (grads, meta_grad) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params,
-                                                                                   fp8_meta)
-        grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(
-            g.astype(jnp.float32), sh), grads, setup.param_shardings)
-        return loss, tokens, grads, meta_grad
+        # the executor averages per-(microbatch, replica) sums: rescale to sum / tokens (an
+        # observation's amax is a ratio, unchanged by the scale)
+        scale = pm.replicas / jnp.maximum(tokens, 1.0)
+        loss, grads, meta_grad = pm.loss_and_grads(params, batch, fp8_meta)
+        grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(g * scale, sh),
+                             grads, setup.param_shardings)
+        if meta_grad is not None:
+            meta_grad = jax.tree.map(lambda g: g * scale, meta_grad)
+        return loss * scale, tokens, grads, meta_grad
     return fn
 
 

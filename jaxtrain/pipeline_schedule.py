@@ -8,9 +8,9 @@ The executor (jaxtrain.pipeline) is one SPMD program: every rank advances one st
 so each order is simulated here, in Python, into a table of steps. A step holds at most one F
 and one B per rank ("fused" steps, like JaxPP's fuse_steady_state): in the steady state every
 rank does F+B together, which keeps lock-step from inflating the bubble when B costs more than
-F. Values in flight (chunk inputs waiting for their B, cotangents waiting to be used) get
-static buffer slots by interval colouring, so the executor's memory is a number known before
-compiling, and for 1F1B it does not grow with the number of microbatches.
+F. Values in flight (activations waiting for their F, what an F saved for its B, cotangents
+waiting for their B) get static buffer slots by interval colouring, so the executor's memory is
+a number known before compiling, and for 1F1B it does not grow with the number of microbatches.
 """
 from __future__ import annotations
 
@@ -32,26 +32,32 @@ class Op(NamedTuple):
     microbatch: int
 
 
-# Columns of a step table, each int32 [num_steps, stages]; -1 means "nothing".
+# Columns of a step table, each int32 [num_steps, stages]; -1 means "nothing". Three kinds of
+# slots: the inbox holds an activation from its arrival until the F that reads it (the last
+# virtual stage's until its B, which runs that chunk's forward too); the stash holds what an F
+# saves for its B; the cotangent slots hold a cotangent from its arrival until its B.
 TABLE_COLUMNS = (
-    "recv_x",    # stash slot that stores the activation arriving at the start of the step
+    "recv_x",    # inbox slot that stores the activation arriving at the start of the step
     "recv_g",    # cotangent slot that stores the cotangent arriving at the start of the step
     "f_chunk",   # local chunk j of this step's F
     "f_mb",      # microbatch of this step's F
-    "f_slot",    # stash slot holding the F's input (-1: virtual stage 0 reads the input x)
+    "f_in",      # inbox slot of the F's input (-1: virtual stage 0 reads the pipeline input)
+    "f_res",     # stash slot the F saves its residuals in (-1: forward-only, or folded)
     "b_chunk",   # local chunk j of this step's B
     "b_mb",
-    "b_slot",    # stash slot holding the B's chunk input (-1: virtual stage 0 reads x)
+    "b_in",      # the last virtual stage's inbox slot: its B runs the chunk forward too
+    "b_res",     # stash slot the B reads (-1: the last virtual stage)
     "b_gslot",   # cotangent slot for the B (-1: the last virtual stage seeds it from the loss)
 )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepTable:
-    """A lock-step table and the static buffer sizes it needs."""
+    """A lock-step table and the static buffer sizes it needs (per rank: its peak)."""
     columns: dict            # name -> np.int32 [num_steps, stages]
-    stash_slots: tuple       # per rank: chunk inputs held at once (its peak; the buffer size)
-    grad_slots: tuple        # per rank: cotangents held at once
+    stash_slots: tuple       # per rank: residual sets an F saved and its B has not used yet
+    inbox_slots: tuple       # per rank: activations waiting for their F (or last-stage B)
+    grad_slots: tuple        # per rank: cotangents waiting for their B
 
     @property
     def num_steps(self) -> int:
@@ -79,7 +85,7 @@ class Schedule:
 
     @property
     def stash_slots(self) -> tuple:
-        """Per rank, the chunk inputs the training table stashes at once (static bound)."""
+        """Per rank, the residual sets the training table stashes at once (static bound)."""
         return self.table.stash_slots
 
     def bubble(self, fwd_cost: float = 1.0, bwd_cost: float = 1.0) -> float:
@@ -190,76 +196,86 @@ def simulate(orders: list, stages: int, virtual_stages: int) -> list:
     return steps
 
 
-def _colour(intervals):
-    """Interval colouring by start time (optimal for intervals): key -> slot, slot count."""
+def _colour(intervals, reuse_at_end: bool = False):
+    """Interval colouring by start time (optimal for intervals): key -> slot, slot count.
+
+    An interval (start, end, key) holds its slot over steps start..end; with `reuse_at_end`
+    another may take it at step `end` (its user reads it before the next writer writes)."""
     free_at, slot_of = [], {}
+    gap = 0 if reuse_at_end else 1
     for start, end, key in sorted(intervals, key=lambda z: z[:2]):
         for s, f in enumerate(free_at):
             if f <= start:
-                free_at[s], slot_of[key] = end + 1, s
+                free_at[s], slot_of[key] = end + gap, s
                 break
         else:
             slot_of[key] = len(free_at)
-            free_at.append(end + 1)
+            free_at.append(end + gap)
     return slot_of, len(free_at)
+
+
+def _slots(intervals_by_rank, reuse_at_end=False):
+    slot_of, counts = {}, []
+    for iv in intervals_by_rank:
+        s, n = _colour(iv, reuse_at_end)
+        slot_of.update(s)
+        counts.append(n)
+    return slot_of, tuple(counts)
 
 
 def build_table(steps: list, stages: int, virtual_stages: int, microbatches: int,
                 backward: bool = True) -> StepTable:
-    """Turn simulated steps into the executor's table (see TABLE_COLUMNS)."""
+    """Turn simulated steps into the executor's table (see TABLE_COLUMNS).
+
+    Within a step the executor runs the B before the F (they never depend on each other: a
+    B needs its F from an earlier step, and the last virtual stage's F is done by its B), so a
+    stash slot a B frees is the one the same step's F fills."""
     p, v, m = stages, virtual_stages, microbatches
-    num_v, num_t = p * v, len(steps)
+    num_v, last = p * v, p * v - 1
     at = {(op.kind, op.vstage, op.microbatch): t
           for t, row in enumerate(steps) for ops in row for op in ops}
-    # A chunk input is stashed from its arrival until its B (forward-only: until its F);
-    # virtual stage 0 reads the pipeline input x instead. A cotangent waits from its arrival
-    # until the B that consumes it.
-    x_iv, g_iv = [[] for _ in range(p)], [[] for _ in range(p)]
-    for g in range(1, num_v):
-        for k in range(m):
-            end = at[("B", g, k)] if backward else at[("F", g, k)]
-            x_iv[g % p].append((at[("F", g - 1, k)] + 1, end, (g, k)))
-    if backward:
-        for g in range(num_v - 1):
-            for k in range(m):
-                g_iv[g % p].append((at[("B", g + 1, k)] + 1, at[("B", g, k)], (g, k)))
-    x_slot, g_slot, x_count, g_count = {}, {}, [], []
-    for r in range(p):
-        s, n = _colour(x_iv[r])
-        x_slot.update(s)
-        x_count.append(n)
-        s, n = _colour(g_iv[r])
-        g_slot.update(s)
-        g_count.append(n)
+    inbox, stash, grads = ([[] for _ in range(p)] for _ in range(3))
+    for k in range(m):
+        for g in range(num_v):
+            if g > 0:   # an activation waits from its arrival for the op that reads it
+                use = at[("B", g, k)] if backward and g == last else at[("F", g, k)]
+                inbox[g % p].append((at[("F", g - 1, k)] + 1, use, (g, k)))
+            if backward and g < last:
+                stash[g % p].append((at[("F", g, k)], at[("B", g, k)], (g, k)))
+                grads[g % p].append((at[("B", g + 1, k)] + 1, at[("B", g, k)], (g, k)))
+    in_slot, in_count = _slots(inbox)
+    res_slot, res_count = _slots(stash, reuse_at_end=True)
+    g_slot, g_count = _slots(grads)
 
-    cols = {c: np.full((num_t, p), -1, np.int32) for c in TABLE_COLUMNS}
+    cols = {c: np.full((len(steps), p), -1, np.int32) for c in TABLE_COLUMNS}
     for t, row in enumerate(steps):
         for r, ops in enumerate(row):
             for op in ops:
                 g, k = op.vstage, op.microbatch
                 if op.kind == "F":
+                    if backward and g == last:
+                        continue    # done by its B
                     cols["f_chunk"][t, r], cols["f_mb"][t, r] = g // p, k
-                    cols["f_slot"][t, r] = x_slot.get((g, k), -1)
-                    if g < num_v - 1:
-                        cols["recv_x"][t + 1, (r + 1) % p] = x_slot[(g + 1, k)]
+                    cols["f_in"][t, r] = in_slot.get((g, k), -1)
+                    cols["f_res"][t, r] = res_slot.get((g, k), -1)
+                    if g < last:
+                        cols["recv_x"][t + 1, (r + 1) % p] = in_slot[(g + 1, k)]
                 elif backward:
                     cols["b_chunk"][t, r], cols["b_mb"][t, r] = g // p, k
-                    cols["b_slot"][t, r] = x_slot.get((g, k), -1)
+                    cols["b_in"][t, r] = in_slot.get((g, k), -1) if g == last else -1
+                    cols["b_res"][t, r] = res_slot.get((g, k), -1)
                     cols["b_gslot"][t, r] = g_slot.get((g, k), -1)
                     if g > 0:
                         cols["recv_g"][t + 1, (r - 1) % p] = g_slot[(g - 1, k)]
-    return StepTable(cols, tuple(x_count), tuple(g_count))
+    return StepTable(cols, res_count, in_count, g_count)
 
 
-def step_flags(table: StepTable, stages: int, virtual_stages: int, backward: bool) -> dict:
-    """Per-step booleans [num_steps], the same on every rank: whether the step runs the F
-    (`any_f`) and the B (`any_b`) conditional. In training the last virtual stage's F is done
-    by its B (one vjp for both), so a step whose only F is that one skips the F."""
-    p, cols = stages, table.columns
-    f_last = (cols["f_chunk"] >= 0) & (cols["f_chunk"] * p + np.arange(p)[None, :]
-                                       == p * virtual_stages - 1)
-    f_work = (cols["f_chunk"] >= 0) & ~f_last if backward else cols["f_chunk"] >= 0
-    return {"any_f": f_work.any(1), "any_b": (cols["b_chunk"] >= 0).any(1)}
+def step_flags(table: StepTable) -> dict:
+    """Per-step booleans [num_steps], the same on every rank: whether some rank runs an F
+    (`any_f`, the last virtual stage's folded F excluded) or a B (`any_b`). A rank without
+    one skips its work, but lock-step makes the step last as long as the busiest rank."""
+    cols = table.columns
+    return {"any_f": (cols["f_chunk"] >= 0).any(1), "any_b": (cols["b_chunk"] >= 0).any(1)}
 
 
 def build_schedule(kind: str, stages: int, microbatches: int,

@@ -75,7 +75,7 @@ def pipeline_summary(cfg: Config, stages: int) -> str:
     schedule = build_schedule(cfg.parallel.schedule, p, m, v)
     return (f"pipeline: {cfg.parallel.schedule} stages={p} virtual={v} microbatches={m}; layers "
             f"per stage {stage_layer_counts(cfg, p, v)}; bubble (p-1)/(m·v) = "
-            f"{bubble_fraction(p, m, v):.1%}; stashed chunk inputs per rank at most "
+            f"{bubble_fraction(p, m, v):.1%}; microbatches stashed per rank at most "
             f"{tuple(schedule.stash_slots)} ({schedule.num_steps} lock-step steps)")
 
 

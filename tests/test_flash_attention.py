@@ -361,7 +361,7 @@ def test_block_skipping_equals_the_unskipped_kernel(causal, S, kv_heads, separat
 
 
 def test_block_counts_fall_as_documents_get_shorter():
-  B, S, H, K = 2, 1024, 8, 2
+  B, S, H = 2, 1024, 8
   blocks = dict(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)
   counts = [block_counts((B, S, H, 64), np.repeat(np.arange(S // n), n)[None].repeat(B, 0),
                          **blocks) for n in (1024, 512, 256, 128, 64)]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxtrain import fp8, gpu_program, hlo, hlo_module, sharding
+from jaxtrain import fp8, gpu_program, hlo, hlo_module, pipeline_flops, sharding
 from jaxtrain.compile_step import compile_step
 from jaxtrain.config import load_config
 from jaxtrain.ledger import estimate, layout_from_config
@@ -165,7 +165,8 @@ RECIPES = {
         "--parallel.stage=1", "--parallel.virtual_stages=1", "--parallel.schedule=1f1b",
         "--parallel.fsdp=8", "--parallel.data=1", "--parallel.zero1=false",
         "--train.global_batch=64"]),
-    "llama70b_pipelined": ("configs/llama70b.py", 128, []),
+    # the recipe's per-device shapes (micro-batch 1, 8 microbatches) on 128 devices: data 8
+    "llama70b_pipelined": ("configs/llama70b.py", 128, ["--train.global_batch=64"]),
     "llama3_8b": ("configs/llama3_8b.py", 8, []),
 }
 
@@ -214,3 +215,46 @@ def test_a_layout_that_does_not_fit_is_compiled_and_says_by_how_much(capsys, h10
                        "--parallel.zero1=false"]) == 0  # micro-batch 8: ~5x a device
     out = capsys.readouterr().out
     assert re.search(r"DOES NOT FIT: [\d.]+ GiB over", out), out[-800:]
+
+
+# ----------------------------------------------------------------------------- the pipeline
+
+def _executed(out):
+    s = out.setup.cfg.parallel
+    from jaxtrain.pipeline_schedule import build_schedule
+    table = build_schedule(s.schedule, out.mesh.shape["stage"], s.microbatches,
+                           s.virtual_stages).table
+    return pipeline_flops.executed_matmul_flops(out.text, table.columns, out.mesh.shape["stage"],
+                                                s.virtual_stages)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_pipelined_step_executes_the_unpipelined_steps_matmuls(h100, schedule, v):
+    """Without recompute a pipelined device runs the matmuls of the unpipelined step's device
+    (same model, batch and device count) within 3%: an F stashes what its B needs and each
+    rank runs only its own ops. Counting every branch of every table step, as the HLO reader
+    does, gives several times that."""
+    layout = ("--parallel.tensor=2", "--model.attention=xla", "--model.num_layers=4")
+    piped = _compile(h100, *layout, "--parallel.stage=2", "--parallel.data=2",
+                     f"--parallel.schedule={schedule}", f"--parallel.virtual_stages={v}",
+                     "--parallel.microbatches=4")
+    flat = _compile(h100, *layout, "--parallel.data=4", "--parallel.microbatches=4")
+    executed, reference = _executed(piped), hlo.matmul_flops_from_text(flat.text)
+    assert 0.97 <= executed.mean / reference <= 1.03, (executed, reference)
+    assert executed.every_branch > 2 * executed.max
+
+
+def test_1f1b_compiled_memory_does_not_grow_with_microbatches(h100):
+    """1F1B's stash is fixed by the stages: from 8 to 32 microbatches of the same size the
+    compiled step's memory grows by the token buffers only (each rank holds 2(p-1-r) stashed
+    residual sets whatever m). GPipe's grows by a residual set per microbatch."""
+    mem = {}
+    for kind in ("1f1b", "gpipe"):
+        for m in (8, 32):
+            out = _compile(h100, "--parallel.stage=4", "--parallel.data=2",
+                           f"--parallel.schedule={kind}", f"--parallel.microbatches={m}",
+                           f"--train.global_batch={2 * m}", "--model.num_layers=4")
+            mem[kind, m] = hlo.memory(out.compiled)["total_bytes"]
+    growth = {k: (mem[k, 32] - mem[k, 8]) / 24 for k in ("1f1b", "gpipe")}
+    assert growth["1f1b"] < 0.05 * growth["gpipe"], (mem, growth)
+    assert mem["1f1b", 32] < 1.02 * mem["1f1b", 8], mem

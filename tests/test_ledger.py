@@ -76,12 +76,12 @@ def test_hfu_flops_follow_remat():
     assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s) == base + 32 * 2 * 4096 * s
     assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s, causal=False) == \
         base + 6 * 32 * 4096 * s + 32 * 4 * 4096 * s
-    # Block: the first 2 layers of each of 4 stages x 2 chunks are recomputed, and the pipeline
-    # executor runs every layer's forward once more (each B recomputes its chunk).
+    # Block: the first 2 layers of each of 4 stages x 2 chunks are recomputed; the pipeline
+    # executor adds nothing (each B applies the pullback its F stashed).
     layer_fwd = 2 * layer + 2 * 4096 * s
     assert ledger.hfu_flops_per_token(cfg, block, (8, 8, 8, 8), 2, s) == \
-        base + 16 * layer_fwd + 32 * layer_fwd
-    assert ledger.hfu_flops_per_token(cfg, none, (8, 8, 8, 8), 2, s) == base + 32 * layer_fwd
+        base + 16 * layer_fwd
+    assert ledger.hfu_flops_per_token(cfg, none, (8, 8, 8, 8), 2, s) == base
     with pytest.raises(ValueError, match="unknown"):
         ledger.recompute_flops_per_token(
             cfg, RematConfig(granularity="selective", modules=("attention_blob",)))
@@ -190,19 +190,22 @@ def test_activations_in_estimate_for_the_pipeline_executor():
     per_layer -= scores
     est = ledger.estimate(cfg, layout, "h100")
     ex = est.executor
-    # 1F1B, 4 stages: the stash does not depend on the remat config; every rank allocates the
-    # busiest rank's slots (one SPMD program), each a bf16 chunk input split over tensor.
+    # 1F1B, 4 stages: rank 0 stashes 2(p-1) = 6 microbatches' chunk residuals (lock-step's
+    # warm-up), and every rank allocates that (one SPMD program); the last stage's B holds a
+    # seventh set while it runs its chunk forward and backward at once, and one more is in
+    # transit to or from the stash. Buffers: 1 inbox, 1 cotangent, 2 receive slots, each a
+    # bf16 chunk input split over tensor.
     assert ex.chunk_layers == 24 and est.chunk_input_bytes == sbh * 2 / 8
-    buffers = (ex.stash_buffer + ex.grad_buffer + 2) * sbh * 2 / 8
+    assert ex.stash_buffer == 6 and ex.buffers == 1 + 1 + 2
+    buffers = 4 * sbh * 2 / 8
     assert est.pipeline_buffer_bytes == buffers
-    # Plus one 24-layer chunk of one microbatch, stored as the remat config says.
-    assert est.inflight_layer_microbatches == 24
-    assert est.activation_bytes == pytest.approx(buffers + 24 * per_layer)
+    assert est.inflight_layer_microbatches == 8 * 24
+    assert est.activation_bytes == pytest.approx(buffers + 8 * 24 * per_layer)
     assert est.activation_bytes_by_remat["none"] == pytest.approx(
-        buffers + 24 * (per_layer + scores))
-    # Full recompute: 2sbh/t per layer of the chunk kept, plus one layer re-materialised.
+        buffers + 8 * 24 * (per_layer + scores))
+    # Full recompute: each layer's input (2sbh/t) stashed, one layer re-materialised by a B.
     assert est.activation_bytes_by_remat["full"] == pytest.approx(
-        buffers + 24 * 2 * sbh / 8 + per_layer + scores)
+        buffers + 8 * 24 * 2 * sbh / 8 + per_layer + scores)
     # Without stages: gradient accumulation holds one microbatch of all 96 layers.
     cfg.parallel = ParallelConfig(tensor=8, sequence_parallel=True, data=2, microbatches=8)
     est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 16), "h100")
@@ -230,7 +233,11 @@ def test_budget_reserve_and_overflow():
                               sequence_parallel=True, zero1=True)
     est = ledger.estimate(cfg, long_acts, "h100", remat=RematConfig(granularity="none"))
     assert not est.fits and est.overflow == "activations"
-    assert ledger.estimate(cfg, long_acts, "h200",
+    # a 40-layer chunk's activations, 3 microbatches of them held: full recompute keeps each
+    # layer's input only, and fits
+    assert ledger.estimate(cfg, long_acts, "h100", remat=ledger.REMAT_VARIANTS["full"]).fits
+    half = dataclasses.replace(long_acts, data=64, micro_batch=2)
+    assert ledger.estimate(cfg, half, "h200",
                            remat=RematConfig(granularity="none")).fits  # 140 GiB
 
 
@@ -255,20 +262,22 @@ def test_comm_formulas_small_layout():
     # 1F1B, p=2, m=4 on the executor: 6 table steps, F in 4, B in 5 (tests/test_ledger_pipeline).
     ex = est.executor
     assert (ex.steps, ex.f_steps, ex.b_steps) == (6, 4, 5)
-    # TP with SP: 4 layers x (4 F + 5 recomputed F) forward passes of 4 sequence-sized
-    # collectives and 4 x 5 backward ones of 6 (Megatron-SP's 10), each (t-1)/t.s.b.h.2.
+    # TP with SP: each rank runs 4 forward passes of its 4 layers (4 sequence-sized
+    # collectives each) and 4 backward ones (6: Megatron-SP's 10), each (t-1)/t.s.b.h.2.
     one = (1 / 2) * s * b * h * 2
-    assert est.comm_bytes["tp"] == 4 * one * (4 * 9 + 6 * 5)
+    assert est.comm_bytes["tp"] == 4 * one * (4 * 4 + 6 * 4)
     # PP: one activation right and one cotangent left per table step, bf16, split over tensor.
     assert est.comm_bytes["pp"] == 2 * 6 * s * b * h * 2 / 2
     layer_local = (1024 * 1024 * 2 + 3 * 1024 * 4096) / 2 + 2 * 1024 * 512 / 2 + 2 * 1024
     table = 32000 * 1024 / 2  # vocab-parallel; 32000 is a multiple of 128 x 2
-    # Every stage rank holds the embedding, the head and the final norm (replicated over stage).
-    n_local = 4 * layer_local + 2 * table + 1024
+    # A stage rank computes with its layers and its edge row (one table, the final norm); the
+    # masters and Adam moments of both tables stay on every stage rank, and DP reduces them.
+    n_local = 4 * layer_local + table + 1024
     assert est.params_local == n_local
-    assert est.comm_bytes["dp"] == 2 * n_local * 2
-    # Their fp32 gradients are all-reduced over stage once per step (ring, p=2).
-    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * table + 1024) * 4
+    assert est.comm_bytes["dp"] == 2 * (n_local + table) * 2
+    # The tables' fp32 gradients go from their rank to every stage rank (an all-reduce, p=2),
+    # of their ZeRO-1 shard over data 2.
+    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * table + 1024) * 4 / 2
     assert est.comm_bytes["fsdp"] == est.comm_bytes["cp"] == 0
     assert set(est.comm_links.values()) == {"nvlink"}  # 8 devices: one node
     fsdp = dataclasses.replace(layout, data=1, fsdp=2, zero1=False)
@@ -300,9 +309,9 @@ def test_bubble_and_ideal_step():
     assert ledger.bubble_fraction(1, 4) == 0
     cfg = recipe("llama70b")
     est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 1024), "h100")
-    assert est.bubble == 1 / 80  # the recipe: stage 2 x 10 virtual, 8 microbatches
-    # The executor's lock-step table: F in 80 of its 100 steps, B in 81 (B = 3F).
-    assert est.lockstep_bubble == pytest.approx((80 + 3 * 81) / (80 * 4) - 1)
+    assert est.bubble == 1 / 64  # the recipe: stage 2 x 8 virtual, 8 microbatches
+    # The executor's lock-step table: F in 64 of its 80 steps, B in 65 (B = 2F, no recompute).
+    assert est.lockstep_bubble == pytest.approx((64 + 2 * 65) / (64 * 3) - 1)
     assert est.ideal_step_s == pytest.approx(est.model_flops_per_step / (1024 * 989e12))
     low, high = est.expected_mfu
     assert 0.2 < low < high < 0.8
@@ -313,7 +322,7 @@ def test_bubble_and_ideal_step():
 
 def test_layout_from_config_resolves_fill():
     layout = ledger.layout_from_config(recipe("llama70b"), 1024)
-    assert (layout.tensor, layout.stage, layout.data, layout.virtual_stages) == (8, 2, 64, 10)
+    assert (layout.tensor, layout.stage, layout.data, layout.virtual_stages) == (8, 2, 64, 8)
     assert layout.micro_batch == 512 // (64 * 8) == 1
     assert layout.sequence_parallel and layout.zero1 and layout.n_devices == 1024
 
@@ -351,8 +360,8 @@ def test_describe_and_speed():
     est = ledger.estimate(cfg, layout, "h100")
     assert time.perf_counter() - start < 0.05
     text = ledger.describe(est)
-    assert "tensor=8" in text and "fits" in text and "MFU" in text and "bubble 1.2%" in text
-    assert "pipeline executor: 100 lock-step steps" in text and "19 stash" in text
+    assert "tensor=8" in text and "fits" in text and "MFU" in text and "bubble 1.6%" in text
+    assert "pipeline executor: 80 lock-step steps" in text and "16 + 2 stashed" in text
 
 
 def test_ledger_imports_without_jax():

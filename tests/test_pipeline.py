@@ -1,5 +1,5 @@
-"""Pipeline executor: loss and grads equal the unpipelined model; stash counter; data-parallel
-reduction after the loop; memory in m; bad inputs.
+"""Pipeline executor: loss and grads equal the unpipelined model; what an F stashes; stash
+counter; data-parallel reduction after the loop; memory in m; bad inputs.
 
 Toy model (fp32, tiny dims): an embedding (outside the pipeline, or inside the first virtual
 stage with embed_fn), residual tanh-MLP layers as chunks (one layer per virtual stage), a linear
@@ -199,7 +199,7 @@ def test_nan_bubbles_change_nothing_and_stash_counter_meets_static_bound():
     clean, polluted = run(0.0), run(NAN)
     assert max_diff(clean[:2], polluted[:2]) == 0.0
     assert abs(float(clean[0]) - float(ref_loss)) < TOL
-    # the in-loop counter of stashed chunk inputs reaches the static bound and no further,
+    # the in-loop counter of stashed residual sets reaches the static bound and no further,
     # and that bound is the same for 4x as many microbatches
     peak = tuple(int(n) for n in polluted[2]["peak_stash"])
     assert peak == schedule.stash_slots == pl.build_schedule(kind, p, 4 * m, v).stash_slots
@@ -267,13 +267,13 @@ def test_data_replicas_with_embedding_inside_reduce_once_after_the_loop():
 
 
 # Compiled temp memory per device (CPU, p=4, D=256, 4x32 tokens per microbatch: 0.125 MiB of
-# activations), embedding inside the first stage, m = 8 -> 32. Measured on jax 0.10.2:
-#   executor 1F1B    2.02 -> 2.02 MiB: 0.000 MiB per microbatch (stash (0, 5, 3, 1) at both m)
-#   executor GPipe   2.39 -> 5.39 MiB: 0.125 MiB per microbatch (stash m per rank)
-#   autodiff GPipe  13.37 -> 37.59 MiB: 1.009 MiB per microbatch (gpipe_loss under jax.grad,
-#                   no remat: every step's residuals)
-# (At D=512 and 8x64 tokens, 1 MiB per microbatch: 0.00, 1.00 and 6.03 MiB per microbatch.)
-# GPipe stashes every microbatch's chunk input (m per rank); 1F1B's stash is fixed by p, and
+# activations), embedding inside the first stage, m = 8 -> 32. Measured on jax 0.10.2 with the
+# residual stash (each F keeps its layer's x, x @ w1 and tanh of it, ...: 7 x 0.125 MiB):
+#   executor 1F1B    7.02 -> 7.02 MiB: 0.000 MiB per microbatch (stash (6, 4, 2, 0) at both m)
+#   executor GPipe   9.39 -> 30.39 MiB: 0.875 MiB per microbatch (stash m per rank)
+# (Before, with only chunk inputs stashed and the chunk recomputed in every B: 2.02 -> 2.02 and
+# 2.39 -> 5.39 MiB; autodiff through gpipe_loss, no remat: 13.37 -> 37.59 MiB.)
+# GPipe stashes every microbatch's residuals (m per rank); 1F1B's stash is fixed by p, and
 # with the embedding inside nothing else of activation size is held per microbatch.
 MEM_P, MEM_D, MEM_B, MEM_S = 4, 256, 4, 32
 
@@ -306,13 +306,14 @@ def test_1f1b_stash_and_memory_do_not_grow_with_microbatches():
             schedule, compiled, args = _memory_case(kind, m)
             temp[m] = mib(compiled)
             if kind == "1f1b":
-                # the in-loop counter of stashed chunk inputs meets the static bound, at both m
+                # the in-loop counter of stashed residual sets meets the static bound, at both m
                 peaks[m] = tuple(int(n) for n in compiled(*args)[2]["peak_stash"])
                 assert peaks[m] == schedule.stash_slots
         slope[kind] = (temp[32] - temp[8]) / 24
     assert peaks[8] == peaks[32]
     act_mib = MEM_B * MEM_S * MEM_D * 4 / 2**20
-    # GPipe holds about one more activation per microbatch; 1F1B a small fraction of one
+    # GPipe holds a residual set (several activations) more per microbatch; 1F1B a small
+    # fraction of one activation
     assert slope["gpipe"] > 0.5 * act_mib
     assert slope["1f1b"] < 0.1 * act_mib
 
@@ -353,3 +354,42 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(pl.PipelineError, match="do not split"):
         pl.stack_stages(params["layers"], 4, 2)
     assert issubclass(pl.PipelineError, ValueError)
+
+
+def test_chunk_program_stashes_what_depends_on_the_microbatch_only():
+    """The F's residuals split by what they depend on: a weight passed through or quantized
+    (here rounded, as an FP8 cast would) is recomputed by the B, never stashed; the
+    activations are. Forward + stashed backward equal jax.vjp; under a checkpoint per layer
+    only each layer's input is stashed."""
+    from jaxtrain.pipeline_stash import chunk_program
+    L = 3
+    params, raw, _ = make_model(L, 1)
+    x = raw[0] @ params["embed"]
+    gate = {"g": jnp.full(x.shape[:2], 0.5)}
+
+    def rounded(h, w):
+        w = dict(w, w1_DF=jnp.round(w["w1_DF"] * 64) / 64)   # parameter-only work
+        return layer(h, w), None
+
+    def chunk(w, h, aux):
+        return lax.scan(rounded, h, w)[0] * aux["g"][..., None]
+
+    prog = chunk_program(chunk, params["layers"], x, gate)
+    weights = {a.shape for a in jax.tree.leaves(params["layers"])}
+    assert not any(a.shape in weights for a in prog.saved_avals), prog.saved_avals
+    assert prog.saved_avals and not all(prog.is_saved)
+    y, saved = prog.forward(params["layers"], x, gate)
+    dy = jnp.cos(y)
+    ref_y, pull = jax.vjp(lambda w, h: chunk(w, h, gate), params["layers"], x)
+    assert max_diff(y, ref_y) == 0.0
+    assert max_diff(prog.backward(params["layers"], saved, dy), pull(dy)) < TOL
+
+    def remat_chunk(w, h, aux):
+        body = jax.checkpoint(rounded, policy=jax.checkpoint_policies.nothing_saveable)
+        return lax.scan(body, h, w)[0] * aux["g"][..., None]
+    prog = chunk_program(remat_chunk, params["layers"], x, gate)
+    # each layer's input (stacked) and the gate the output's cotangent is scaled by
+    assert sorted(a.shape for a in prog.saved_avals) == [(L,) + x.shape,
+                                                         gate["g"].shape + (1,)]
+    y, saved = prog.forward(params["layers"], x, gate)
+    assert max_diff(prog.backward(params["layers"], saved, dy), pull(dy)) < TOL

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxtrain import hlo, layer_order, pipeline_model, sharding, step
+from jaxtrain import hlo, layer_order, pipeline_flops, pipeline_model, sharding, step
 from jaxtrain.layer_order import LayerOrder
 from util import random_batch, tiny_config
 
@@ -44,7 +44,23 @@ LAYOUTS = {
         "--parallel.stage=2", "--parallel.first_stage_layers=1", "--parallel.tensor=2",
         "--parallel.data=-1", "--parallel.schedule=1f1b", "--parallel.microbatches=4",
         "--remat.granularity=full", "--remat.method=uniform", "--remat.num_layers=1"],
+    # uneven without remat: the per-layer switch's weight copies are parameter-only residuals
+    # (recomputed by the B, not stashed)
+    "1f1b_p2_m4_last1_data4": ["--parallel.stage=2", "--parallel.last_stage_layers=1",
+                               "--parallel.data=-1", "--parallel.schedule=1f1b",
+                               "--parallel.microbatches=4"],
+    # selective recompute: the stash holds what its policy saves, the B recomputes the rest
+    "interleaved_p2_v2_m4_selective_data4": [
+        "--parallel.stage=2", "--parallel.data=-1", "--parallel.schedule=interleaved_1f1b",
+        "--parallel.virtual_stages=2", "--parallel.microbatches=4",
+        "--remat.granularity=selective", "--remat.modules=core_attn,mlp"],
+    # tied embeddings: rank 0's and rank 1's copies of the table; a block:1 recompute
+    "1f1b_p2_m4_tied_tensor2_data2_block": [
+        "--parallel.stage=2", "--parallel.tensor=2", "--parallel.data=-1",
+        "--parallel.schedule=1f1b", "--parallel.microbatches=4", "--model.tie_embeddings=true",
+        "--remat.granularity=full", "--remat.method=block", "--remat.num_layers=1"],
 }
+TIED = "--model.tie_embeddings=true"
 
 
 def build_setup(cfg, devices):
@@ -77,9 +93,9 @@ def random_params(setup, seed=0):
 
 
 @functools.cache
-def reference():
+def reference(*extra):
     """(params, batch, loss, tokens, grads) of step.loss_and_grads on one device."""
-    cfg = tiny_config(*BASE, "--parallel.data=1")
+    cfg = tiny_config(*BASE, *extra, "--parallel.data=1")
     setup = build_setup(cfg, jax.devices()[:1])
     params, batch = random_params(setup), random_batch(cfg, 0)
     args = place(setup, params, batch)
@@ -90,7 +106,7 @@ def reference():
 @functools.cache
 def pipelined(name):
     """Compile and run the pipelined grad step of a layout: (setup, loss, tokens, grads, hlo)."""
-    params, batch = reference()[:2]
+    params, batch = reference(*_model_flags(name))[:2]
     setup = build_setup(tiny_config(*BASE, *LAYOUTS[name]), jax.devices())
     args = place(setup, params, batch)
     compiled = compile_fast(pipeline_model.loss_and_grads(setup), *args)
@@ -105,13 +121,17 @@ def max_diff(a, b):
                for u, w in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+def _model_flags(name):
+    return tuple(f for f in LAYOUTS[name] if f == TIED)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipelined_step_equals_unpipelined(name):
-    _, _, ref_loss, ref_tokens, ref_grads = reference()
+    _, _, ref_loss, ref_tokens, ref_grads = reference(*_model_flags(name))
     setup, loss, tokens, grads, _ = pipelined(name)
-    if "first1" in name:   # the uneven split really is padded, and the padding skipped
+    if "first1" in name or "last1" in name:   # the uneven split really is padded
         pm = pipeline_model.build(setup)
-        assert pm.stage_layers == (1, 3) and pm.uniform_mode(False) is None
+        assert sorted(pm.stage_layers) == [1, 3] and pm.uniform_mode(False) is None
     assert tokens == ref_tokens
     assert abs(loss - ref_loss) < TOL
     assert max_diff(grads, ref_grads) < TOL
@@ -135,12 +155,13 @@ def test_data_parallel_reduction_happens_once_after_the_schedule_loop():
 def test_layers_stored_in_chunk_order_never_move_between_stages(name):
     """Interleaved and uneven chunks hold layers out of model order; stored in chunk order
     (layer_order) each rank already has its own. In model order this step had 18 all-to-alls
-    (interleaved) or 18 collective-permutes (uneven) over `stage` per step; now the only
-    `stage` collective outside the schedule loop is the one gradient all-reduce."""
+    (interleaved) or 18 collective-permutes (uneven) over `stage` per step; now the `stage`
+    collectives outside the schedule loop are the loss's all-reduce and the one that brings
+    the embedding's (rank 0) and the head's (rank p-1) gradients to every stage rank."""
     setup, *_, compiled = pipelined(name)
     outside = {(c.kind, c.axes) for c in hlo.collectives(compiled, setup.mesh)
                if "stage" in (c.axes or ()) and not c.in_loop}
-    assert outside == {("all-reduce", ("stage", "data"))}
+    assert outside == {("all-reduce", ("stage", "data")), ("all-reduce", ("stage",))}
 
 
 def test_forward_only_eval_sums_match():
@@ -150,3 +171,25 @@ def test_forward_only_eval_sums_match():
     loss_sum, tokens = compile_fast(pipeline_model.eval_sums(setup), *args)(*args)
     assert float(tokens) == ref_tokens
     assert abs(float(loss_sum) / float(tokens) - ref_loss) < TOL
+
+
+def test_executed_matmul_flops_equal_the_unpipelined_steps():
+    """Without recompute a device executes the matmuls the unpipelined step's device does
+    (same model, batch and device count): each rank runs only its own F and B branches (idle
+    steps run none), an F stashes what its B needs (no forward again), and the last stage's
+    forward is folded into its B. Counting every branch of every step, as hlo.matmul_flops
+    does, gives several times as much."""
+    name = "interleaved_p2_v2_m4_tensor2_sp_data2_zero1"
+    setup, *_, compiled = pipelined(name)
+    s = pipeline_model.build(setup).schedule
+    executed = pipeline_flops.executed_matmul_flops(compiled.as_text(), s.table.columns,
+                                                    s.stages, s.virtual_stages)
+    flat = [f for f in LAYOUTS[name] if not f.startswith(("--parallel.stage", "--parallel.sch",
+                                                          "--parallel.virt", "--parallel.micro"))]
+    unpiped = build_setup(tiny_config(*BASE, *flat), jax.devices())
+    assert unpiped.mesh.size == setup.mesh.size and unpiped.mesh.shape["stage"] == 1
+    args = place(unpiped, *reference()[:2])
+    reference_flops = hlo.matmul_flops(compile_fast(step.loss_and_grads(unpiped), *args))
+    assert executed.mean / reference_flops <= 1.03, (executed, reference_flops)
+    assert executed.mean / reference_flops >= 0.97
+    assert executed.every_branch > 3 * executed.max

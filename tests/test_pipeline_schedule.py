@@ -53,59 +53,65 @@ def test_bubble_is_megatrons_and_stays_when_b_costs_2f(kind, p, m, v):
 
 
 def _replay(table, p, m, v, backward):
-    """Run the table's slot bookkeeping in Python; every read must find the value it expects."""
+    """Run the table's slot bookkeeping in Python, B before F in a step (the executor's order);
+    every read must find the value it expects. Returns each rank's peak of stash slots in use
+    (what an F saved and its B has not read yet) and of inbox slots."""
     cols, num_v = table.columns, p * v
-    stash = [dict() for _ in range(p)]
-    grads = [dict() for _ in range(p)]
-    in_flight_x = {}   # rank -> value arriving at the start of the next step
-    in_flight_g = {}
-    peak = [0] * p
+    inbox, stash, grads = ([dict() for _ in range(p)] for _ in range(3))
+    in_flight_x, in_flight_g = {}, {}   # rank -> value arriving at the start of the next step
+    peak, peak_in = [0] * p, [0] * p
+    col = lambda name, t, r: int(cols[name][t, r])  # noqa: E731
     for t in range(table.num_steps):
         for r in range(p):
-            slot = cols["recv_x"][t, r]
-            if slot >= 0:
-                assert slot not in stash[r], "stash slot overwritten while in use"
-                stash[r][slot] = in_flight_x[r]
-            slot = cols["recv_g"][t, r]
-            if slot >= 0:
-                assert slot not in grads[r], "cotangent slot overwritten while in use"
-                grads[r][slot] = in_flight_g[r]
-            peak[r] = max(peak[r], len(stash[r]))
+            for name, box, flight in (("recv_x", inbox, in_flight_x), ("recv_g", grads,
+                                                                        in_flight_g)):
+                slot = col(name, t, r)
+                if slot >= 0:
+                    assert slot not in box[r], f"{name} slot overwritten while in use"
+                    box[r][slot] = flight[r]
+            peak_in[r] = max(peak_in[r], len(inbox[r]))
         sends_x, sends_g = {}, {}
         for r in range(p):
-            j, k, slot = cols["f_chunk"][t, r], cols["f_mb"][t, r], cols["f_slot"][t, r]
+            j, k = col("b_chunk", t, r), col("b_mb", t, r)
             if j >= 0:
                 g = j * p + r
-                assert (slot < 0) == (g == 0)
-                if g > 0:
-                    assert stash[r][slot] == (g, k)
-                    if not backward:
-                        del stash[r][slot]
-                if g < num_v - 1:
-                    sends_x[(r + 1) % p] = (g + 1, k)
-            j, k = cols["b_chunk"][t, r], cols["b_mb"][t, r]
-            if j >= 0:
-                g = j * p + r
-                slot, gslot = cols["b_slot"][t, r], cols["b_gslot"][t, r]
-                if g > 0:
-                    assert stash[r].pop(slot) == (g, k)
-                if g < num_v - 1:
-                    assert grads[r].pop(gslot) == (g, k)
+                if g == num_v - 1:   # its F is folded in: reads its input from the inbox
+                    assert col("b_res", t, r) < 0 and col("b_gslot", t, r) < 0
+                    if g > 0:
+                        assert inbox[r].pop(col("b_in", t, r)) == (g, k)
                 else:
-                    assert gslot < 0
+                    assert stash[r].pop(col("b_res", t, r)) == (g, k)
+                    assert grads[r].pop(col("b_gslot", t, r)) == (g, k)
                 if g > 0:
                     sends_g[(r - 1) % p] = (g - 1, k)
+            j, k = col("f_chunk", t, r), col("f_mb", t, r)
+            if j >= 0:
+                g = j * p + r
+                assert not (backward and g == num_v - 1), "the last stage's F is in its B"
+                assert (col("f_in", t, r) < 0) == (g == 0)
+                if g > 0:
+                    assert inbox[r].pop(col("f_in", t, r)) == (g, k)
+                if backward:
+                    slot = col("f_res", t, r)
+                    assert slot >= 0 and slot not in stash[r], "stash slot in use"
+                    stash[r][slot] = (g, k)
+                else:
+                    assert col("f_res", t, r) < 0
+                if g < num_v - 1:
+                    sends_x[(r + 1) % p] = (g + 1, k)
+            peak[r] = max(peak[r], len(stash[r]))
         in_flight_x, in_flight_g = sends_x, sends_g
-    assert all(not s for s in stash) and all(not g for g in grads)
-    return tuple(peak)
+    assert not any(inbox) and not any(stash) and not any(grads)
+    return tuple(peak), tuple(peak_in)
 
 
 @pytest.mark.parametrize("kind,p,m,v", [c for c in CASES if c[1] in (2, 4)])
 def test_table_slots_hold_the_right_values(kind, p, m, v):
     s = build_schedule(kind, p, m, v)
-    assert _replay(s.table, p, m, v, backward=True) == s.stash_slots
-    assert _replay(s.forward_table, p, m, v, backward=False) == s.forward_table.stash_slots
-    assert all(n <= 1 for n in s.forward_table.stash_slots)
+    assert _replay(s.table, p, m, v, backward=True) == (s.stash_slots, s.table.inbox_slots)
+    fwd = s.forward_table
+    assert _replay(fwd, p, m, v, backward=False) == ((0,) * p, fwd.inbox_slots)
+    assert all(n <= 1 for n in fwd.inbox_slots)
 
 
 @pytest.mark.parametrize("kind,p,v", [("1f1b", 2, 1), ("1f1b", 4, 1), ("1f1b", 8, 1),
@@ -114,13 +120,16 @@ def test_table_slots_hold_the_right_values(kind, p, m, v):
 def test_1f1b_stash_does_not_grow_with_microbatches(kind, p, v):
     bounds = [build_schedule(kind, p, m, v).stash_slots for m in (2 * p, 8 * p, 32)]
     assert bounds[0] == bounds[1] == bounds[2]
-    if v == 1:   # rank 0 reads x; a round trip to the last rank and back takes 2(p-1-r)+1 steps
-        assert bounds[0] == (0,) + tuple(2 * (p - 1 - r) + 1 for r in range(1, p))
+    if v == 1:   # rank r's first B comes 2(p-1-r) steps after its first F (one step per hop
+        # there and back); the last stage's F is folded into its B and stashes nothing
+        assert bounds[0] == tuple(2 * (p - 1 - r) for r in range(p))
+    else:        # Megatron's interleaved warm-up: 2(p-1-r) + (v-1)p forwards before a B
+        assert bounds[0] == tuple(2 * (p - 1 - r) + (v - 1) * p for r in range(p))
 
 
 def test_gpipe_stash_grows_with_microbatches():
-    assert build_schedule("gpipe", 4, 8).stash_slots == (0, 8, 8, 8)
-    assert build_schedule("gpipe", 4, 32).stash_slots == (0, 32, 32, 32)
+    assert build_schedule("gpipe", 4, 8).stash_slots == (8, 8, 8, 0)
+    assert build_schedule("gpipe", 4, 32).stash_slots == (32, 32, 32, 0)
 
 
 def test_num_steps():

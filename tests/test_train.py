@@ -110,5 +110,5 @@ def test_pipeline_schedule_summary_printed_at_start():
                       "--parallel.schedule=interleaved_1f1b", "--parallel.virtual_stages=2",
                       "--model.num_layers=6", "--parallel.first_stage_layers=2")
     text = trainer.pipeline_summary(cfg, 2)
-    assert "bubble (p-1)/(m·v) = 12.5%" in text and "at most (2, 3)" in text
+    assert "bubble (p-1)/(m·v) = 12.5%" in text and "at most (4, 2)" in text
     assert "layers per stage (2, 4)" in text

@@ -5,8 +5,8 @@ the trainer uses `mfu`/`hfu` and `describe(estimate(...))`; the dry run compares
 from jaxtrain.ledger.comm import bubble_fraction
 from jaxtrain.ledger.estimate import (Assumptions, Estimate, REMAT_VARIANTS, describe, estimate,
                                       remat_label, uses_flash)
-from jaxtrain.ledger.flops import (ParamCounts, executor_recompute_flops_per_token, hfu,
-                                   hfu_flops_per_token, mfu, model_flops_per_token, param_counts,
+from jaxtrain.ledger.flops import (ParamCounts, hfu, hfu_flops_per_token, mfu,
+                                   model_flops_per_token, param_counts,
                                    recompute_flops_per_token, tokens_per_step)
 from jaxtrain.ledger.hardware import (GB, GPUS, GiB, Gpu, UnknownGpuError, get_gpu,
                                       gpu_for_device_kind)
@@ -19,7 +19,7 @@ __all__ = [
     "Assumptions", "BUDGET_FRACTION", "Estimate", "Executor", "GB", "GPUS", "GiB", "Gpu", "Layout",
     "LayoutError", "ParamCounts", "REMAT_VARIANTS", "UnknownGpuError", "bubble_fraction",
     "bytes_per_param", "chunk_input_bytes", "describe", "estimate", "executor",
-    "executor_recompute_flops_per_token", "get_gpu", "gpu_for_device_kind",
+    "get_gpu", "gpu_for_device_kind",
     "held_bytes_per_param", "hfu", "hfu_flops_per_token", "layout_from_config", "mfu",
     "model_flops_per_token", "param_counts", "recompute_flops_per_token", "remat_label",
     "stage_layer_counts", "tokens_per_step", "uses_flash", "validate_layout",

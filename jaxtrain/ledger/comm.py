@@ -5,10 +5,10 @@ Conventions (DESIGN.md §5), N_local = parameters one device holds after TP and 
   reduction, Megatron's --grad-reduce-in-bf16); with FSDP the shard N_local/fsdp is reduced.
 - Layer collectives are counted per layer pass (`Passes`: forward and backward passes of one
   layer for one microbatch per device per step): without stages L·m of each; with stages the
-  pipeline executor's (ledger.pipeline): its chunk forward in every F and B step, its
-  backward in every B step, of the largest chunk, idle ranks included (lock-step). Full
-  recompute re-runs the forward (and its collectives) of the layers it recomputes in each
-  backward pass; selective recompute re-runs no collective.
+  pipeline executor's (ledger.pipeline): each rank's m·v chunk forwards and backwards, of the
+  largest chunk (idle ranks run none). Full recompute re-runs the forward (and its
+  collectives) of the layers it recomputes in each backward pass; selective recompute
+  re-runs no collective.
 - FSDP: per layer pass for the layers (a forward pass gathers N_layer·2, a backward one
   gathers and reduce-scatters); the head (and final norm) gathered once per step (outside
   the microbatch loop) and reduce-scattered per microbatch; the embedding table never moves
@@ -20,9 +20,11 @@ Conventions (DESIGN.md §5), N_local = parameters one device holds after TP and 
   Megatron-SP's). Without SP, 4 all-reduces of 2·(t-1)/t·s·b·h·2, half in each pass.
 - PP: the executor's 2 sends (activation right, cotangent left) per table step, idle steps
   included, of one chunk input (s·b·h in the compute dtype, /t under SP).
-- Vocab (stages only): the executor replicates the embedding and the head (+ final norm) on
-  every stage rank and all-reduces their fp32 gradients over stage once per step: ring
-  2·(p-1)/p·(2 tables + h)·4 bytes (both tables' gradients, also when tied).
+- Vocab (stages only): the embedding's gradient (rank 0) and the head's (+ final norm, rank
+  p-1) go to every stage rank, whose optimizer holds both tables, in an fp32 all-reduce over
+  stage once per step: ring 2·(p-1)/p·(2 tables + h)·4 bytes (one table's when tied: its
+  two copies' gradients are summed in that one all-reduce), of the ZeRO-1 shard (/data):
+  XLA reduce-scatters over data first (the GPU compiler's program).
 - CP (ring attention, not in DESIGN.md's list): K and V chunks pass c-1 hops forward, and K, V
   plus their gradients backward: (c-1)·2·(s/c)·b·(K·E/t)·2 bytes per forward layer pass and
   twice that per backward one.
@@ -117,12 +119,14 @@ def pp_bytes(cfg: Config, layout: Layout, seq_len: int, ex: Executor | None) -> 
 
 
 def vocab_bytes(cfg: Config, layout: Layout) -> float:
-    """Ring all-reduce over stage of the replicated embedding/head gradients (fp32)."""
+    """Ring all-reduce over stage of the embedding/head gradients (fp32)."""
     p, t, m = layout.stage, layout.tensor, cfg.model
     if p == 1:
         return 0.0
     table = padded_vocab(m.vocab_size, t) * m.hidden_size / t
-    return 2.0 * (p - 1) / p * (2 * table + m.hidden_size) * 4
+    tables = 1 if m.tie_embeddings else 2
+    shard = layout.data * layout.context if layout.zero1 else 1
+    return 2.0 * (p - 1) / p * (tables * table + m.hidden_size) * 4 / shard
 
 
 def cp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes) -> float:

@@ -1,8 +1,8 @@
 """One layout's full ledger: FLOPs, memory against the budget, communication, expected MFU.
 
 With pipeline stages every figure is the executor's that jaxtrain runs (ledger.pipeline: its
-lock-step table, chunk-input stash, recompute in B, replicated embedding and head), not
-Megatron's schedule; `bubble` stays Megatron's (p−1)/(m·v) for comparison.
+lock-step table, residual stash, embedding and head on their ranks); `bubble` stays
+Megatron's (p−1)/(m·v) for comparison.
 
 Expected step time (a budget of losses, each with an optimistic and a pessimistic value; the
 optimistic ones give the high MFU):
@@ -10,9 +10,8 @@ optimistic ones give the high MFU):
   compute stream of a large Llama step, not just cuBLAS GEMMs); FP8 runs the transformer-layer
   matmuls at the FP8 peak, attention and lm_head at bf16. Attention is timed as it runs: the
   causal half with a flash kernel, the full s×s square with XLA's attention.
-- recompute: the HFU − model FLOPs at the same rate (the remat config's and, with stages, the
-  executor's chunk forward in every B).
-- bubble: (compute + recompute) × the lock-step table's idle fraction (F = 1, B = 3 + the remat
+- recompute: the HFU − model FLOPs at the same rate (the remat config's).
+- bubble: (compute + recompute) × the lock-step table's idle fraction (F = 1, B = 2 + the remat
   config's recompute per layer forward).
 - communication: each kind's bytes on its nominal link (NVLink inside a node, the NIC between
   nodes), times an exposed fraction: TP 0.3–1.0 (on the critical path; overlap is partial),
@@ -174,13 +173,17 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     ex = pipeline.executor(L, stage_layers)
     counts = flops.param_counts(m)
     n_local = memory.params_local(cfg, L, stage_layers)   # every pipeline rank alike
+    n_state = memory.state_params_local(cfg, L, stage_layers)
 
     def activations(rm):
         if ex is not None:
             return memory.pipelined_activations(cfg, L, rm, flash, seq, ex)
         return memory.stage_activations(cfg, L, rm, flash, seq, m.num_layers, m.num_layers)
 
-    static = memory.static_bytes(cfg, L, n_local)
+    static = memory.static_bytes(cfg, L, n_local, n_state)
+    if ex is not None:
+        static["pipeline_weights"] = memory.pipeline_weight_bytes(cfg, L, remat, stage_layers,
+                                                                  ex.chunk_layers)
     act = activations(remat)
     reserve = memory.reserve_bytes(cfg, L, seq)
     total = sum(static.values()) + act.total + reserve
@@ -205,12 +208,11 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
 
     # communication (the stage with the most layers)
     layers_max = max(stage_layers)
-    max_chunks = ex.chunk_layers * L.virtual_stages if ex else layers_max  # layers held
     recomputed = (flops.recomputed_layers(remat, stage_layers, L.virtual_stages)
                   / m.num_layers if remat.granularity == "full" else 0.0)
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
     layer_local = memory.layer_params_local(cfg, L.tensor)
-    volumes = {"dp": comm.dp_bytes(L, n_local),
+    volumes = {"dp": comm.dp_bytes(L, n_state),
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
                + comm.fsdp_rest_bytes(cfg, L, seq),
                "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
@@ -235,11 +237,11 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     bubble = comm.bubble_fraction(L.stage, L.microbatches, L.virtual_stages)
     lockstep = 0.0
     if ex is not None:
-        # B over F per layer: the recomputed forward + a 2F backward + the remat recompute.
+        # B over F per layer: a 2F backward + the remat config's recompute.
         remat_per_fwd = (flops.recompute_flops_per_token(cfg, remat, stage_layers,
                                                          L.virtual_stages, seq)
-                         / flops.executor_recompute_flops_per_token(cfg, seq))
-        lockstep = ex.bubble(3.0 + remat_per_fwd)
+                         / (m.num_layers * flops.layer_forward_flops_per_token(m, seq)))
+        lockstep = ex.bubble(2.0 + remat_per_fwd)
     exposed = dict(assumptions.exposed)
     losses = {}
     for i, eff in enumerate(reversed(gpu.kernel_efficiency)):  # i=0 optimistic
@@ -328,11 +330,12 @@ def describe(est: Estimate) -> str:
     ex = est.executor
     if ex is not None:
         mib = est.chunk_input_bytes / 2 ** 20
+        sets = est.activation_bytes - est.pipeline_buffer_bytes
         lines.insert(1, (
             f"pipeline executor: {ex.steps} lock-step steps (idle {est.lockstep_bubble:.1%}), "
-            f"{ex.sends} sends of {mib:.4g} MiB; buffers {ex.stash_buffer} stash + "
-            f"{ex.grad_buffer} cotangent + {pipeline.RECEIVE_BUFFERS} receive x {mib:.4g} MiB; "
-            "each B recomputes one "
-            f"{ex.chunk_layers}-layer chunk"))
+            f"{ex.sends} sends of {mib:.4g} MiB; {ex.stash_buffer} + 2 stashed "
+            f"{ex.chunk_layers}-layer chunk residual sets {sets / GiB:.2f} GiB; buffers "
+            f"{ex.inbox_buffer} inbox + {ex.grad_buffer} cotangent + "
+            f"{pipeline.RECEIVE_BUFFERS} receive x {mib:.4g} MiB"))
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines)

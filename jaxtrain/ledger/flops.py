@@ -7,9 +7,8 @@ s the sequence length. The attention term counts the causal half of the s×s pro
 Megatron-LM's and MaxText's FLOP counters now do; `causal=False` gives the full square of
 PaLM's and Megatron's papers (12·L·(H·E)·s), which is also what XLA's attention computes, so
 comparisons with compiled FLOPs use it. MFU divides model FLOPs by peak; HFU adds what is run
-again: the remat config's recompute and, with pipeline stages, the executor's chunk forward in
-every B (ledger.pipeline: one more forward of every layer per microbatch, whatever the remat
-config), attention counted the same way.
+again: the remat config's recompute, attention counted the same way. The pipeline executor
+runs nothing again on top (ledger.pipeline: a B applies the pullback its F stashed).
 """
 from __future__ import annotations
 
@@ -137,31 +136,19 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
     return m.num_layers * sum(table[x] for x in set(remat.modules))
 
 
-def executor_recompute_flops_per_token(cfg: Config, seq_len: int | None = None, *,
-                                       causal: bool = True) -> float:
-    """The pipeline executor's extra forward: a B re-runs its chunk from the stashed input, so
-    every layer runs forward once more per microbatch (the head is not re-run)."""
-    m = cfg.model
-    return m.num_layers * layer_forward_flops_per_token(m, seq_len or cfg.train.seq_len,
-                                                        causal=causal)
-
-
 def hfu_flops_per_token(cfg: Config, remat: RematConfig | None = None,
                         stage_layers: tuple[int, ...] | None = None, virtual_stages: int = 1,
                         seq_len: int | None = None, *, causal: bool = True) -> float:
-    """Model FLOPs + the remat config's recompute + the pipeline executor's chunk forward.
+    """Model FLOPs + the remat config's recompute.
 
-    stage_layers: layers per pipeline stage (more than one: pipelined); None takes the
-    config's parallel.stage and virtual_stages (the trainer's metrics)."""
+    stage_layers: layers per pipeline stage (block recompute counts per chunk); None takes
+    the config's parallel.stage and virtual_stages (the trainer's metrics)."""
     if stage_layers is None and cfg.parallel.stage > 1:
         virtual_stages = cfg.parallel.virtual_stages
         stage_layers = stage_layer_counts(cfg, cfg.parallel.stage, virtual_stages)
-    pipelined = stage_layers is not None and len(stage_layers) > 1
     return (model_flops_per_token(cfg, seq_len, causal=causal)
             + recompute_flops_per_token(cfg, remat, stage_layers, virtual_stages, seq_len,
-                                        causal=causal)
-            + (executor_recompute_flops_per_token(cfg, seq_len, causal=causal)
-               if pipelined else 0.0))
+                                        causal=causal))
 
 
 def tokens_per_step(cfg: Config) -> int:

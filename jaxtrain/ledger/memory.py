@@ -11,14 +11,19 @@ Conventions (DESIGN.md §5):
   Full recompute keeps the layer input, 2·s·b·h/t, and re-materialises one recompute group at
   a time. Context parallelism divides s (its scores are (s/c)×s). float32 compute doubles it.
 - In flight. Without pipeline stages, gradient accumulation runs one microbatch at a time:
-  L layer-microbatches. With stages, the executor (ledger.pipeline) stashes only chunk
-  inputs and recomputes a chunk in its B: its buffers (the busiest rank's stash slots,
-  cotangent slots and two receive buffers, on every rank) plus one chunk's activations for
-  one microbatch, stored as the remat config says; Megatron's schedule-dependent in-flight
-  microbatches do not apply.
+  L layer-microbatches. With stages, the executor (ledger.pipeline) stashes each F's chunk
+  residuals for its microbatch, as the remat config stores them, until the B: the busiest
+  rank's stash slots (2(p-1-r) + (v-1)p on rank r: lock-step's warm-up, Megatron's in-flight
+  microbatches less one), the set the last virtual stage's B holds while it runs forward and
+  backward at once and one set in transit between a switch and the stash (the GPU
+  compiler's buffer assignment), what a B re-materialises at once under full recompute, and
+  its chunk-input buffers (inbox, cotangent and two receive slots). Chunks padded or mixing
+  bf16 and FP8 layers (a per-layer switch) copy the chunk's weights once while a B runs,
+  without full recompute (jax's partial evaluation of a conditional re-emits its operands).
 - Static with stages: every rank holds v chunks of the largest chunk's layers (uneven stages
-  are padded to it) plus the embedding, the head and the final norm, which the executor
-  replicates over stage.
+  are padded to it) and one vocab table row (rank 0 the embedding, rank p-1 the head and the
+  final norm: pipeline_model's edge rows) for its compute copy and gradient accumulator; the
+  fp32 masters and Adam moments of both tables stay replicated over stage.
 - Budget: static + activations + reserve must fit in 90% of device memory.
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ from jaxtrain.config import Config, RematConfig
 from jaxtrain.ledger.flops import param_counts
 from jaxtrain.ledger.hardware import GiB
 from jaxtrain.ledger.layout import Layout
-from jaxtrain.ledger.pipeline import Executor, chunk_input_bytes
+from jaxtrain.ledger.pipeline import DTYPE_BYTES, Executor, chunk_input_bytes
 
 BUDGET_FRACTION = 0.9
 SCORE_MARGIN = 1.2
@@ -84,18 +89,39 @@ def vocab_params_local(cfg: Config, tensor: int) -> float:
     return table * (1 if m.tie_embeddings else 2) + m.hidden_size
 
 
-def params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
-    """Parameters one device holds (after TP and PP, before FSDP): the same on every pipeline
-    rank, which holds v chunks of the largest chunk (padding included) and the replicated
-    embedding and head."""
+def edge_params_local(cfg: Config, tensor: int) -> float:
+    """One vocab table + the final norm per tensor rank: a pipeline rank's edge row."""
+    m = cfg.model
+    return padded_vocab(m.vocab_size, tensor) * m.hidden_size / tensor + m.hidden_size
+
+
+def _layers_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
     v = layout.virtual_stages
-    layers = v * (max(stage_layers) // v)
-    return layers * layer_params_local(cfg, layout.tensor) + vocab_params_local(cfg, layout.tensor)
+    return v * (max(stage_layers) // v) * layer_params_local(cfg, layout.tensor)
 
 
-def static_bytes(cfg: Config, layout: Layout, n_local: float) -> dict[str, float]:
+def params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
+    """Parameters one device computes with (after TP and PP, before FSDP): the same on every
+    pipeline rank, which holds v chunks of the largest chunk (padding included) and its edge
+    row (one vocab table); without stages the layers and both tables."""
+    vocab = (edge_params_local(cfg, layout.tensor) if layout.stage > 1
+             else vocab_params_local(cfg, layout.tensor))
+    return _layers_local(cfg, layout, stage_layers) + vocab
+
+
+def state_params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
+    """Parameters whose fp32 master and Adam moments one device holds: with stages its layers
+    and both vocab tables (replicated over stage)."""
+    return _layers_local(cfg, layout, stage_layers) + vocab_params_local(cfg, layout.tensor)
+
+
+def static_bytes(cfg: Config, layout: Layout, n_local: float,
+                 n_state: float | None = None) -> dict[str, float]:
+    """Bytes by kind for `n_local` parameters computed with and `n_state` (default the same)
+    whose optimizer state a device holds."""
     per = held_bytes_per_param(layout)
-    out = {k: n_local * v for k, v in per.items()}
+    n_state = n_local if n_state is None else n_state
+    out = {k: (n_state if k == "optimizer" else n_local) * v for k, v in per.items()}
     # FSDP all-gathers a layer's bf16 weights before use; two layers in flight for prefetch.
     out["fsdp_buffers"] = (2 * 2 * layer_params_local(cfg, layout.tensor)
                            if layout.fsdp > 1 else 0.0)
@@ -178,15 +204,63 @@ def stage_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bo
     return Activations(ckpt, inflight, full_layer, stored + full_layer)
 
 
+def chunk_residual_bytes(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,
+                         seq_len: int, chunk_layers: int) -> tuple[float, float]:
+    """(stored, working): what one chunk's F keeps for its B for one microbatch under the
+    remat config, and what its B re-materialises at once on top of that (full recompute: one
+    group's activations)."""
+    selective_attn = remat.granularity == "selective" and "core_attn" in remat.modules
+    full_layer = layer_activation_bytes(cfg, layout, seq_len, flash=flash,
+                                        recompute_scores=selective_attn)
+    if remat.granularity != "full":
+        return chunk_layers * full_layer, 0.0
+    ckpt = layer_checkpoint_bytes(cfg, layout, seq_len)
+    k = remat.num_layers or 1
+    if remat.method == "uniform":
+        group = min(k, chunk_layers)
+        return chunk_layers / group * ckpt, group * full_layer
+    n = chunk_layers if remat.num_layers == 0 else min(k, chunk_layers)
+    return n * ckpt + (chunk_layers - n) * full_layer, full_layer
+
+
+def chunk_weight_copy_bytes(cfg: Config, layout: Layout, remat: RematConfig,
+                            stage_layers: tuple[int, ...], chunk_layers: int) -> float:
+    """The copy of a chunk's weights (compute dtype) a B makes when the chunk runs a per-layer
+    switch (padded chunks of uneven stages, bf16 and FP8 layers mixed) outside a checkpoint."""
+    fp8 = cfg.fp8
+    mixed = fp8.enabled and (fp8.bf16_first_layers or fp8.bf16_last_layers)
+    if remat.granularity == "full" or not (len(set(stage_layers)) > 1 or mixed):
+        return 0.0
+    return (chunk_layers * layer_params_local(cfg, layout.tensor)
+            * DTYPE_BYTES[cfg.model.compute_dtype])
+
+
+def pipeline_weight_bytes(cfg: Config, layout: Layout, remat: RematConfig,
+                          stage_layers: tuple[int, ...], chunk_layers: int) -> float:
+    """A chunk's weights-sized temporaries of an F or B (compute dtype, the GPU compiler's
+    buffer assignment): the B's gradient of its chunk before it joins the fp32 accumulator
+    (as the unpipelined layer scan's backward returns a microbatch's at once), with virtual
+    stages the F's and the B's slice of their chunk out of the rank's v (a dynamic index: XLA
+    copies it), and the copy a per-layer switch makes (chunk_weight_copy_bytes)."""
+    weights = (chunk_layers * layer_params_local(cfg, layout.tensor)
+               * DTYPE_BYTES[cfg.model.compute_dtype])
+    return (weights * (3 if layout.virtual_stages > 1 else 1)
+            + chunk_weight_copy_bytes(cfg, layout, remat, stage_layers, chunk_layers))
+
+
 def pipelined_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,
                           seq_len: int, ex: Executor) -> Activations:
-    """What one device of the pipeline executor holds: its chunk-input buffers (stash,
-    cotangents, receives) and the activations of the one chunk a B recomputes, for one
-    microbatch, under the remat config."""
-    chunk = stage_activations(cfg, layout, remat, flash, seq_len,
-                              ex.chunk_layers * layout.virtual_stages, ex.chunk_layers)
+    """What one device of the pipeline executor holds: the stash slots' chunk residuals, the
+    last stage's B's own set and one set in transit (what an F hands to the stash, or a B
+    reads out of it; each one microbatch of one chunk under the remat config), what a B
+    re-materialises at once, and its chunk-input buffers (Megatron's accounting of a pipeline
+    stage's in-flight activations)."""
+    stored, working = chunk_residual_bytes(cfg, layout, remat, flash, seq_len, ex.chunk_layers)
+    sets = ex.stash_buffer + 2
     buffers = ex.buffers * chunk_input_bytes(cfg, layout, seq_len)
-    return dataclasses.replace(chunk, buffers=buffers, total=chunk.total + buffers)
+    return Activations(per_layer=stored / ex.chunk_layers, inflight=sets * ex.chunk_layers,
+                       working_set=working, total=sets * stored + working + buffers,
+                       buffers=buffers)
 
 
 def workspace_bytes(cfg: Config) -> float:

@@ -1,0 +1,379 @@
+"""The pipeline executor: one shard_map over `stage` (and `data`) that runs a lock-step table.
+
+Rank r holds its chunks' parameters [v, ...] (sharded over `stage`) and its row of the edge
+parameters (the embedding on rank 0, the head on rank p-1: `edge` leads with [p] too). Every
+step of `schedule.table` it stores what arrived, runs its B, then its F, and sends one
+activation right and one cotangent left (ppermute over `stage`):
+
+- F (training): the chunk's forward with its residuals (pipeline_stash.ChunkProgram); what
+  depends on the microbatch goes to the F's stash slot. Virtual stage 0 embeds its input
+  (`fns.embed`) or reads the pipeline input x; the others read their inbox slot.
+- B: the chunk's stashed pullback, applied to the cotangent from the right; it recomputes only
+  what the remat policy dropped and the parameter-only residuals. The last virtual stage's B
+  runs its chunk's forward too (its F is folded in: nothing waits between them), then the
+  head and loss, seeded with 1; virtual stage 0's B also differentiates the embedding (or
+  writes d_x).
+- forward only (`schedule.forward_table`: evaluation and the autodiff reference): F runs the
+  chunk; the last virtual stage adds the head's loss.
+
+A rank with nothing to do in a step skips it: F and B are `lax.switch`es on the rank's own
+table entry, so no chunk runs on zeros and a device's matmuls are exactly its m·v chunk
+forwards and backwards (plus the head on rank p-1). Lock-step still makes each step last as
+long as the busiest rank. Branches taken by some ranks only hold no collective over `stage`
+(it would deadlock): their collectives (TP, FSDP) run over automatic axes whose device groups
+lie within one stage, where every device takes the same branch.
+
+Buffers and switches. The stash, the inbox, the cotangent slots and the gradient accumulators
+are updated outside the switches: a value a switch takes is an operand of every branch, and
+XLA then copies a buffer that one branch updates in place (measured on the GPU compiler: the
+stash twice, the accumulators twice). So an F returns its residuals and a B its gradient
+contributions, and the step writes them. A B reads its stash slot inside its switch (read
+outside, the copy stayed alive beside the last stage's own residual set: one set more).
+
+Gradients accumulate in fp32 per rank and per data replica and leave the shard_map stacked
+[replicas, p, ...] (P(data, stage)): the caller reduces the replica dim once, where the
+optimizer's sharding turns it into a reduce-scatter under ZeRO-1 (an all-reduce inside the
+shard_map would hold an fp32 copy of every gradient). The loss is psum'd here.
+
+The shard_map is untyped (check_vma=False): a vjp w.r.t. a value the same on every rank
+returns this rank's part, never an autodiff psum inside a branch. Idle sends and empty
+buffers hold `fill`; results are selected, never masked by multiplying (0 * NaN is NaN).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.pipeline_schedule import Schedule
+from jaxtrain.pipeline_stash import ChunkProgram, chunk_program
+
+STAGE_AXIS = "stage"
+DATA_AXIS = "data"
+# name scopes of the F and B branches: a dry run weights their matmuls by how often each runs
+F_SCOPE, B_SCOPE = "pipeline_f", "pipeline_b"
+
+
+class Fns(NamedTuple):
+    """The model the executor runs; none closes over a value being differentiated."""
+    chunk: Callable                  # (chunk params [..], x, chunk aux of one microbatch) -> x
+    head_loss: Callable              # (edge row, y, aux of one microbatch) -> scalar
+    embed: Optional[Callable]        # (edge row, inputs of one microbatch) -> x; None: x given
+
+
+class GradCombine(NamedTuple):
+    """How chunk-parameter cotangents add up: over a rank's B ops (`add_at(acc, j, d)`: acc
+    [v, ...] with chunk j's d added) and over the stacked data replicas (`reduce(tree,
+    axis)`)."""
+    add_at: Callable[[Any, Any, Any], Any]
+    reduce: Callable[[Any, int], Any]
+
+
+def add_at(acc, j, d):
+    """acc[j] += d as a scatter-add, updated in place (a read-modify-write of acc[j] made XLA
+    materialize the slice: one chunk's fp32 gradients more)."""
+    return jax.tree.map(lambda a, x: a.at[j].add(x.astype(a.dtype)), acc, d)
+
+
+SUM = GradCombine(add_at=add_at,
+                  reduce=lambda tree, axis: jax.tree.map(lambda a: jnp.sum(a, axis=axis), tree))
+
+
+class Carry(NamedTuple):
+    """The loop state of one rank (fields a table does not use are None)."""
+    inbox: jax.Array                 # [slots, *act]: activations waiting for their op
+    stash: tuple                     # per saved residual [slots, *shape]
+    cots: Optional[jax.Array]        # [slots, *act]: cotangents waiting for their B
+    recv_x: jax.Array                # what arrived from the left at the end of the last step
+    recv_g: Optional[jax.Array]      # ... and from the right
+    loss: jax.Array                  # summed microbatch losses (fp32)
+    d_chunk: Any                     # fp32 [v, ...] gradient sums of the rank's chunks
+    d_edge: Any                      # fp32 gradient sums of the rank's edge row
+    d_x: Optional[jax.Array]         # [m, *act] input cotangents (no embedding)
+    held: jax.Array                  # stash slots in use, and their peak
+    peak: jax.Array
+
+
+class Rank(NamedTuple):
+    """What a rank's ops read: its parameters and inputs (all local), and static facts."""
+    r: jax.Array                     # this rank's index on `stage`
+    p: int
+    num_v: int                       # virtual stages, p * v
+    chunks: Any                      # [v, ...]
+    edge: Any                        # this rank's row of the edge parameters
+    x: Any                           # pipeline inputs [m, ...] of this replica
+    aux: Any
+    caux: Any
+    fill_x: jax.Array                # one microbatch's activations, all `fill`
+    program: Optional[ChunkProgram]  # training only
+
+
+class PipelineError(ValueError):
+    """Inputs that do not fit the pipeline; the message says what to change."""
+
+
+def _put(buf, slot, val):
+    """buf[slot] = val when slot >= 0, else buf unchanged."""
+    s = jnp.maximum(slot, 0)
+    return buf.at[s].set(jnp.where(slot >= 0, val, buf[s]))
+
+
+def _opaque_zero(x):
+    """int32 0 that depends on x, which XLA's simplifier cannot fold away."""
+    return (jnp.minimum(jnp.abs(x), 0) > 0).astype(jnp.int32)
+
+
+def _take(tree, k):
+    return jax.tree.map(lambda a: a[k], tree)
+
+
+def _add(acc, d):
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d)
+
+
+def _fp32_zeros(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)),
+                        tree)
+
+
+def _full(shape, dtype, fill):
+    return jnp.full(shape, fill if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
+
+
+def manual_axes(mesh) -> tuple:
+    """The mesh axes the executor makes manual: `stage`, and `data` when it has replicas (a
+    size-1 `data` would only add a no-op reduction)."""
+    return (STAGE_AXIS,) + ((DATA_AXIS,) if mesh.shape.get(DATA_AXIS, 1) > 1 else ())
+
+
+def batch_spec(a, data: bool) -> P:
+    """Inputs are [m, batch, ...]: data replicas take their rows of dim 1."""
+    return P(None, DATA_AXIS) if data and a.ndim >= 2 else P()
+
+
+# ----------------------------------------------------------------------------- one step's ops
+def _first_input(fns: Fns, rk: Rank, k):
+    """Virtual stage 0's chunk input: the embedded microbatch, or x[k]."""
+    if fns.embed is None:
+        return rk.x[k]
+    return fns.embed(rk.edge, _take(rk.x, k)).astype(rk.fill_x.dtype)
+
+
+def _head_loss(fns: Fns, rk: Rank, edge, y, k):
+    return fns.head_loss(edge, y, _take(rk.aux, k)).astype(jnp.float32)
+
+
+def _f_op(fns: Fns, rk: Rank, c: Carry, row, from_input: bool, backward: bool):
+    """One F: (what goes right, the residuals to stash, the loss it adds)."""
+    j, k = jnp.maximum(row["f_chunk"], 0), jnp.maximum(row["f_mb"], 0)
+    x_in = _first_input(fns, rk, k) if from_input else c.inbox[jnp.maximum(row["f_in"], 0)]
+    params, caux = _take(rk.chunks, j), _take(rk.caux, k)
+    if backward:
+        y, saved = rk.program.forward(params, x_in, caux)
+        return y, tuple(saved), jnp.zeros((), jnp.float32)
+    y = fns.chunk(params, x_in, caux)
+    is_last = j * rk.p + rk.r == rk.num_v - 1
+    loss = lax.cond(is_last, lambda: _head_loss(fns, rk, rk.edge, y, k),
+                    lambda: jnp.zeros((), jnp.float32))
+    return y, (), loss
+
+
+class BOut(NamedTuple):
+    """What a B produces: the cotangent going left and this microbatch's contributions,
+    which the step adds to the accumulators after the switch (module docstring)."""
+    dx: jax.Array
+    d_params: Any                    # the chunk's, in the parameters' dtype
+    d_edge: Any                      # the edge row's (head or embedding; zeros elsewhere)
+    loss: jax.Array
+
+
+def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
+    """One B. A middle stage applies its stashed pullback; the last virtual stage runs its
+    chunk forward, the head and the loss, seeded with 1 (as an unpipelined microbatch is: the
+    mean's 1/(m * replicas) comes after, so values in the backward, FP8 gradient amaxes
+    included, do not depend on m); virtual stage 0 also differentiates the embedding."""
+    j, k = jnp.maximum(row["b_chunk"], 0), jnp.maximum(row["b_mb"], 0)
+    params = _take(rk.chunks, j)
+    d_edge, loss = jax.tree.map(jnp.zeros_like, rk.edge), jnp.zeros((), jnp.float32)
+    if last:
+        x_in = _first_input(fns, rk, k) if first else c.inbox[jnp.maximum(row["b_in"], 0)]
+        caux = _take(rk.caux, k)
+        y, pull = jax.vjp(lambda p_, h: fns.chunk(p_, h, caux), params, x_in)
+        loss, head_pull = jax.vjp(lambda e, y_: _head_loss(fns, rk, e, y_, k), rk.edge, y)
+        d_edge, dy = head_pull(jnp.ones_like(loss))
+        d_params, dx = pull(dy)
+    else:
+        slot = jnp.maximum(row["b_res"], 0)
+        dy = c.cots[jnp.maximum(row["b_gslot"], 0)]
+        d_params, dx = rk.program.backward(params, [buf[slot] for buf in c.stash], dy)
+    if first and fns.embed is not None:
+        _, pull = jax.vjp(lambda e: fns.embed(e, _take(rk.x, k)).astype(dx.dtype), rk.edge)
+        d_edge = _add(d_edge, pull(dx)[0])
+    return BOut(dx, d_params, d_edge, loss)
+
+
+def _b_idle(rk: Rank, c: Carry, row) -> BOut:
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+    return BOut(rk.fill_x, zeros(_take(rk.chunks, 0)), zeros(rk.edge),
+                jnp.zeros((), jnp.float32))
+
+
+def _switch_f(fns: Fns, rk: Rank, c: Carry, row, backward: bool):
+    """This rank's F, if it has one: from the pipeline input (virtual stage 0) or its inbox.
+    Its residuals leave the switch and go into the stash after it (module docstring)."""
+    j = row["f_chunk"]
+    first = j * rk.p + rk.r == 0
+    index = jnp.where(j >= 0, 1 + first.astype(jnp.int32), 0)
+
+    def idle(c, row):
+        return (rk.fill_x, tuple(jnp.zeros_like(buf[0]) for buf in c.stash),
+                jnp.zeros((), jnp.float32))
+    branches = [idle] + [functools.partial(_f_op, fns, rk, from_input=f, backward=backward)
+                         for f in (False, True)]
+    with jax.named_scope(F_SCOPE):
+        y, saved, loss = lax.switch(index, branches, c, row)
+    stash = tuple(_put(buf, row["f_res"], s) for buf, s in zip(c.stash, saved))
+    return c._replace(stash=stash, loss=c.loss + loss), y
+
+
+def _switch_b(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row):
+    """This rank's B, if it has one (index 1 + first + 2 * last over the kinds below; kinds
+    no virtual stage has are not traced), and its contributions added to the accumulators.
+    An idle rank adds zeros (for FP8 metas: an empty observation)."""
+    j = row["b_chunk"]
+    g = j * rk.p + rk.r
+    first, last = (g == 0).astype(jnp.int32), (g == rk.num_v - 1).astype(jnp.int32)
+    index = jnp.where(j >= 0, 1 + first + 2 * last, 0)
+    n = rk.num_v
+    idle = functools.partial(_b_idle, rk)
+    kinds = [(False, False, n > 2), (False, True, n > 1), (True, False, n > 1),
+             (True, True, n == 1)]
+    branches = [idle] + [functools.partial(_b_op, fns, rk, last=last_, first=first_)
+                         if reachable else idle for last_, first_, reachable in kinds]
+    with jax.named_scope(B_SCOPE):
+        out = lax.switch(index, branches, c, row)
+    c = c._replace(d_chunk=combine.add_at(c.d_chunk, jnp.maximum(j, 0), out.d_params),
+                   d_edge=_add(c.d_edge, out.d_edge), loss=c.loss + out.loss)
+    if c.d_x is not None:   # virtual stage 0 without an embedding: the input's cotangent
+        k = jnp.where((j >= 0) & (first > 0), row["b_mb"], -1)
+        c = c._replace(d_x=_put(c.d_x, k, out.dx))
+    return c, out.dx
+
+
+def _step(fns: Fns, rk: Rank, combine: GradCombine, backward: bool, cols, c: Carry, t):
+    """One lock-step step: store arrivals, B, F, send right and left."""
+    p = rk.p
+    row = {name: col[t, rk.r] for name, col in cols.items()}
+    c = c._replace(inbox=_put(c.inbox, row["recv_x"], c.recv_x))
+    if backward:
+        c = c._replace(cots=_put(c.cots, row["recv_g"], c.recv_g))
+        c, send_g = _switch_b(fns, rk, combine, c, row)
+        c = c._replace(held=c.held - (row["b_res"] >= 0))
+        # The F's stash write must follow the B's read of the same buffers; nothing else
+        # orders them (the F does not use the B's results), and XLA:CPU then copied every
+        # stash buffer twice per step. An index offset XLA cannot prove zero orders them.
+        row = dict(row, f_res=row["f_res"] + _opaque_zero(c.loss))
+    c, send_x = _switch_f(fns, rk, c, row, backward)
+    held = c.held + (row["f_res"] >= 0)
+    c = c._replace(held=held, peak=jnp.maximum(c.peak, held), recv_x=lax.ppermute(
+        send_x, STAGE_AXIS, [(i, (i + 1) % p) for i in range(p)]))
+    if backward:
+        c = c._replace(recv_g=lax.ppermute(send_g, STAGE_AXIS,
+                                           [(i, (i - 1) % p) for i in range(p)]))
+    return c, None
+
+
+# ----------------------------------------------------------------------------- the loop
+def _check_shapes(fns: Fns, rk: Rank) -> None:
+    """The chunk must keep the activation's shape and dtype; the head must return a scalar."""
+    act = rk.fill_x
+    y = jax.eval_shape(fns.chunk, _take(rk.chunks, 0), act, _take(rk.caux, 0))
+    if (y.shape, y.dtype) != (act.shape, act.dtype):
+        raise PipelineError(f"chunk_fn maps x {act.dtype}{list(act.shape)} to {y.dtype}"
+                            f"{list(y.shape)}; a chunk must return the shape and dtype it gets "
+                            "(cast inside chunk_fn, or make embed_fn return that dtype)")
+    loss = jax.eval_shape(fns.head_loss, rk.edge, act, _take(rk.aux, 0))
+    if loss.shape != ():
+        raise PipelineError(f"head_loss_fn returned shape {loss.shape}; it must return a scalar "
+                            "(the microbatch's mean loss)")
+
+
+def _init(rk: Rank, table, backward: bool, m: int, fill: float, with_dx: bool) -> Carry:
+    act = rk.fill_x
+    slots = lambda counts: max(max(counts), 1)  # noqa: E731
+    buf = lambda n: _full((n,) + act.shape, act.dtype, fill)  # noqa: E731
+    zero = jnp.zeros((), jnp.int32)
+    stash, cots, recv_g, d_chunk, d_edge, d_x = (), None, None, None, None, None
+    if backward:
+        stash = tuple(_full((slots(table.stash_slots),) + a.shape, a.dtype, fill)
+                      for a in rk.program.saved_avals)
+        cots, recv_g = buf(slots(table.grad_slots)), rk.fill_x
+        d_chunk, d_edge = _fp32_zeros(rk.chunks), _fp32_zeros(rk.edge)
+        d_x = buf(m) if with_dx else None
+    return Carry(inbox=buf(slots(table.inbox_slots)), stash=stash, cots=cots,
+                 recv_x=rk.fill_x, recv_g=recv_g, loss=jnp.zeros((), jnp.float32),
+                 d_chunk=d_chunk, d_edge=d_edge, d_x=d_x, held=zero, peak=zero)
+
+
+def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: GradCombine,
+          manual: tuple, n_data: int, chunk_params, edge, x, aux, caux, cols):
+    table = schedule.table if backward else schedule.forward_table
+    p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
+    r = lax.axis_index(STAGE_AXIS)
+    chunks, edge_row = _take(chunk_params, 0), _take(edge, 0)
+    if fns.embed is None:
+        act = x[0]
+    else:
+        act = jax.eval_shape(fns.embed, edge_row, _take(x, 0))
+    fill_x = _full(act.shape, act.dtype, fill)
+    rk = Rank(r, p, p * v, chunks, edge_row, x, aux, caux, fill_x, None)
+    _check_shapes(fns, rk)
+    if backward:
+        rk = rk._replace(program=chunk_program(fns.chunk, _take(chunks, 0), fill_x,
+                                               _take(caux, 0)))
+    carry = _init(rk, table, backward, m, fill, fns.embed is None)
+    step = functools.partial(_step, fns, rk, combine, backward, cols)
+    c, _ = lax.scan(step, carry, jnp.arange(table.num_steps))
+    loss = lax.psum(c.loss, manual) / (m * n_data)
+    if not backward:
+        return loss, c.peak[None]
+    stack = lambda tree: jax.tree.map(lambda a: a[None, None], tree)  # noqa: E731
+    d_x = ()
+    if c.d_x is not None:  # only rank 0 (virtual stage 0) wrote it; the others hold fill
+        d_x = lax.psum(jnp.where(r == 0, c.d_x, jnp.zeros_like(c.d_x)), STAGE_AXIS)
+    return loss, stack(c.d_chunk), stack(c.d_edge), d_x, c.peak[None]
+
+
+def execute(fns: Fns, chunk_params, edge, x, aux, caux, *, schedule: Schedule, mesh,
+            backward: bool, fill: float = 0.0, combine: Optional[GradCombine] = None):
+    """Run schedule.table (backward) or schedule.forward_table in one shard_map.
+
+    chunk_params and edge lead with [p] (sharded over `stage`); x, aux and caux with [m] (and
+    their batch dim 1 splits over `data`). Forward only: (mean loss, peak[p]). Training:
+    (mean loss, d_chunk, d_edge, d_x, peak[p]): d_chunk [replicas, p, v, ...] and d_edge
+    [replicas, p, ...] are fp32 sums over the microbatches of each data replica (reduce dim 0
+    with `combine.reduce`, then divide by m * replicas); d_x (without an embedding) is the
+    mean loss's input cotangent times m * replicas, or () with one; peak counts the stash
+    slots each rank held at once, measured in the loop.
+    """
+    manual = manual_axes(mesh)
+    has_data = DATA_AXIS in manual
+    n_data = mesh.shape[DATA_AXIS] if has_data else 1
+    table = schedule.table if backward else schedule.forward_table
+    cols = {k: jnp.asarray(a) for k, a in table.columns.items()}
+    specs = lambda tree: jax.tree.map(lambda a: batch_spec(a, has_data), tree)  # noqa: E731
+    out_specs = (P(), P(STAGE_AXIS))
+    if backward:
+        stacked = P(DATA_AXIS if has_data else None, STAGE_AXIS)
+        d_x_spec = batch_spec(x, has_data) if fns.embed is None else P()
+        out_specs = (P(), stacked, stacked, d_x_spec, P(STAGE_AXIS))
+    body = functools.partial(_body, fns, schedule, backward, fill, combine or SUM, manual,
+                             n_data)
+    return jax.shard_map(
+        body, mesh=mesh, axis_names=set(manual),
+        in_specs=(P(STAGE_AXIS), P(STAGE_AXIS), specs(x), specs(aux), specs(caux), P()),
+        out_specs=out_specs, check_vma=False)(chunk_params, edge, x, aux, caux, cols)
