@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import attention as attention_lib
+from jaxtrain import context_attention
 from jaxtrain import fp8 as fp8_lib
 from jaxtrain import hf
 from jaxtrain import layer_order
@@ -87,7 +88,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
                                                 constrain_weights=constrain_weights)
     attention = sharding.shard_attention(
-        attention_lib.select(cfg.model, sharding.platform(mesh)), mesh)
+        attention_lib.select(cfg.model, sharding.platform(mesh)), mesh,
+        context_attention.plan_of(cfg.parallel))
     fp8 = fp8_layers(cfg)
     lookup = (sharding.ShardedLookup(mesh, cfg.parallel.sequence_parallel)
               if mesh is not None and mesh.size > 1 else None)
