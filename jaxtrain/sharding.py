@@ -278,26 +278,31 @@ class ShardedAttention:
         kv_heads = _mesh_axes_for("kv_heads", 1, mesh, k_BSKE.shape[2]) if heads else None
         kv_heads = kv_heads if kv_heads == heads else None
         head_shards = math.prod(mesh.shape[a] for a in _flat(heads))
+        # The sequence is split over `context` here (seq), or the caller's shard_map holds
+        # `context` manual and q.. are already its rank's part (the train step's per_replica).
         seq = _mesh_axes_for("sequence", 1, mesh, s) if self.context else None
-        c = mesh.shape["context"] if seq else 1
+        outer = bool(self.context) and "context" in mesh.manual_axes
+        c = mesh.shape["context"] if seq or outer else 1
         q_spec, kv_spec = P(batch, seq, heads, None), P(batch, seq, kv_heads, None)
         args = [q_BSHE, k_BSKE, v_BSKE, segment_ids_BS]
-        if seq:  # each token's global position, split like the sequence
-            args.append(jnp.asarray(self.context.positions(s, c)))
+        if c > 1:  # each token's global position, split like the sequence
+            order_CS = self.context.positions(s * (c if outer else 1), c).reshape(c, -1)
+            args.append(jnp.asarray(order_CS if outer else order_CS.reshape(-1)))
 
         def per_shard(q, k, v, seg, *pos):
             if heads and not kv_heads:
                 k, v = local_kv_heads(k, v, n_heads, head_shards, jax.lax.axis_index(heads))
-            if pos:
-                return context_attention.attend(self.kernel, self.context, c, q, k, v, seg, seg,
-                                                pos[0], pos[0])
-            return self.kernel(q, k, v, seg)
+            if c == 1:
+                return self.kernel(q, k, v, seg)
+            pos_S = pos[0][jax.lax.axis_index("context")] if outer else pos[0]
+            return context_attention.attend(self.kernel, self.context, c, q, k, v, seg, seg,
+                                            pos_S, pos_S)
 
         # check_vma=False: a pallas_call carries no varying-axes types for the checker (and
         # jax 0.10's Pallas interpreter cannot type its loops). The specs are exact, and
         # autodiff still sums replicated K/V's cotangents over `tensor`.
         inner = {a for a in mesh.axis_names if a not in set(mesh.manual_axes)}
-        in_specs = (q_spec, kv_spec, kv_spec, P(batch, seq)) + ((P(seq),) if seq else ())
+        in_specs = (q_spec, kv_spec, kv_spec, P(batch, seq)) + ((P(seq),) if c > 1 else ())
         return jax.shard_map(per_shard, mesh=mesh, axis_names=inner, in_specs=in_specs,
                              out_specs=q_spec, check_vma=False)(*args)
 

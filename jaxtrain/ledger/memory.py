@@ -9,7 +9,9 @@ Conventions (DESIGN.md §5):
   for Llama 70B with flash attention and SP, 33·s·b·h/t bytes, next to Korthikanti et al.'s
   34·s·b·h/t for a GPT layer); XLA attention adds Korthikanti's 5·a·s/h score term.
   Full recompute keeps the layer input, 2·s·b·h/t, and re-materialises one recompute group at
-  a time. Context parallelism divides s (its scores are (s/c)×s). float32 compute doubles it.
+  a time. Context parallelism divides s, and its attention keeps no scores whatever the core
+  (context_attention.py: q, k, v of the shard, the output and the LSE); cuDNN's all-gather
+  also keeps the gathered K/V. float32 compute doubles it.
 - In flight. Without pipeline stages, gradient accumulation runs one microbatch at a time:
   L layer-microbatches. With stages, the executor (ledger.pipeline) stashes only chunk
   inputs and recomputes a chunk in its B: its buffers (the busiest rank's stash slots,
@@ -120,17 +122,22 @@ def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *, flash: 
       (silu is recomputed from gate);
     - without a flash kernel (XLA attention, the CPU path) the s×s scores, Korthikanti's 5
       bytes per score per head x1.2, calibrated on XLA:CPU, unless selective remat
-      recomputes them (`recompute_scores`).
+      recomputes them (`recompute_scores`);
+    - under context parallelism (c > 1) no scores but the LSE, whatever the core; with cuDNN
+      (all_gather) the other c-1 shards' K and V too (jax's cuDNN backward keeps its inputs).
 
     2 bytes per element in bf16/fp16, 4 in float32.
     """
-    m, t = cfg.model, layout.tensor
-    s_local = seq_len / layout.context
+    m, t, c = cfg.model, layout.tensor, layout.context
+    s_local = seq_len / c
     sb = s_local * layout.micro_batch
     stream = 4 * 2 * sb * m.hidden_size / (t if layout.sequence_parallel else 1)
     kv_shards = t if m.num_kv_heads % t == 0 else 1
-    attention = (2 * 2 * sb * m.num_heads * m.resolved_head_dim / t
-                 + 2 * 2 * sb * m.num_kv_heads * m.resolved_head_dim / kv_shards)
+    kv = 2 * 2 * sb * m.num_kv_heads * m.resolved_head_dim / kv_shards
+    attention = 2 * 2 * sb * m.num_heads * m.resolved_head_dim / t + kv
+    if c > 1 and m.attention == "cudnn":
+        attention += (c - 1) * kv
+    flash = flash or c > 1
     lse = 4 * sb * m.num_heads / t if flash else 0.0  # fp32 whatever the dtype
     mlp = 3 * 2 * sb * m.mlp_size / t
     scores = 0.0 if flash or recompute_scores else (
