@@ -11,10 +11,13 @@ load balancing rank r holds chunks r and 2c-1-r), in one of two ways:
   Only the local K and V are kept for the backward, which gathers them again (Megatron's and
   TE's all-gather CP), so no layer holds the whole sequence's K/V between passes.
 - `ring`: K/V blocks travel c-1 hops around the ring (ppermute); each hop's send is issued
-  before the current block's attention, so the scheduler can hide it. Partial outputs merge by
-  their log-sum-exp in fp32. The backward passes K/V around again, with the fp32 dK/dV
+  before the current block's attention, and the two meet at an optimization barrier, so the
+  scheduler hides the transfer behind that block (XLA:GPU's scheduler otherwise runs the
+  hops back to back: it sees no cost in a Pallas call). Partial outputs merge by their
+  log-sum-exp in fp32. The backward passes K/V around again, with the fp32 dK/dV
   accumulators travelling with their block (c sends: the last brings them home). The loop is
-  unrolled in Python (TE notes that a scan costs an extra KV permute).
+  unrolled in Python (TE notes that a scan costs an extra KV permute). The last hop brings the
+  finished dK/dV home in the compute dtype.
 
 Both are exact for any mask: the causal mask is by global position, documents by segment id,
 and only KV heads move (GQA; K/V are never repeated before communicating). A row that sees no
@@ -63,7 +66,8 @@ class BlockOps(NamedTuple):
     """A core's attention of queries to one block of keys, and its backward."""
     # (q, k, v, q_seg, kv_seg, q_pos, kv_pos) -> (out [B,Sq,H,E], lse [B,H,Sq] fp32)
     forward: Callable
-    # (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do) -> (dq, dk, dv)
+    # (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do) -> fp32 (dq, dk, dv), so that the
+    # blocks' shares sum without rounding
     backward: Callable
 
 
@@ -99,7 +103,7 @@ def xla_block_forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 
 
 def xla_block_backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do):
-    """This block's share of dq, dk, dv given the whole attention's out and LSE."""
+    """This block's share of dq, dk, dv (fp32) given the whole attention's out and LSE."""
     b, s, h, e = q.shape
     k_heads = k.shape[2]
     g = h // k_heads
@@ -114,7 +118,7 @@ def xla_block_backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do):
     ds = p * (dp - delta_BKGS[..., None]) * e ** -0.5
     dq = jnp.einsum("bkgst,btke->bskge", ds, k.astype(jnp.float32)).reshape(b, s, h, e)
     dk = jnp.einsum("bkgst,bskge->btke", ds, q.reshape(b, s, k_heads, g, e).astype(jnp.float32))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq, dk, dv
 
 
 XLA_BLOCKS = BlockOps(xla_block_forward, xla_block_backward)
@@ -129,7 +133,8 @@ def pallas_blocks(interpret: bool) -> BlockOps:
 
     def backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do):
         return flash_attention_backward(q, k, v, (q_seg, kv_seg), (q_pos, kv_pos), out, lse,
-                                        do, causal=True, interpret=interpret)
+                                        do, causal=True, interpret=interpret,
+                                        grad_dtype=jnp.float32)
     return BlockOps(forward, backward)
 
 
@@ -188,8 +193,10 @@ def gathered_attention(ops: BlockOps, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
         q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = res
         dq, dk, dv = ops.backward(q, _gather(k, 1), _gather(v, 1), q_seg, _gather(kv_seg, 1),
                                   q_pos, _gather(kv_pos, 0), out, lse, do)
-        scatter = lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)  # noqa: E731
-        return dq, scatter(dk), scatter(dv), None, None, None, None
+        # reduce-scattered in the compute dtype (Megatron's), the ring's accumulators in fp32
+        scatter = lambda x, like: jax.lax.psum_scatter(  # noqa: E731
+            x.astype(like.dtype), AXIS, scatter_dimension=1, tiled=True)
+        return dq.astype(q.dtype), scatter(dk, k), scatter(dv, v), None, None, None, None
 
     attend.defvjp(fwd, bwd)
     return attend(q, k, v, q_seg, kv_seg, q_pos, kv_pos)
@@ -201,6 +208,10 @@ def _ring_forward(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     for hop in range(c):
         nxt = _send(block, c) if hop < c - 1 else None   # issued before this block's work
         o, l = ops.forward(q, block[0], block[1], q_seg, block[2], q_pos, block[3])
+        if nxt is not None:
+            # The next block's transfer and this block's attention meet here, so the
+            # scheduler has nothing else to put between the send's start and its done.
+            nxt, o, l = jax.lax.optimization_barrier((nxt, o, l))
         o = o.astype(jnp.float32)
         out, lse = (o, l) if out is None else merge(out, lse, o, l)
         block = nxt
@@ -214,16 +225,20 @@ def _ring_backward(ops: BlockOps, c: int, res, do):
     arrived = None   # the dK/dV accumulators of the block this rank holds now
     for hop in range(c):
         nxt = _send(block, c) if hop < c - 1 else None
-        dq_b, dk_b, dv_b = ops.backward(q, block[0], block[1], q_seg, block[2], q_pos,
-                                        block[3], out, lse, do)
-        dq = dq + dq_b.astype(jnp.float32)
-        acc = (dk_b.astype(jnp.float32), dv_b.astype(jnp.float32))
+        grads = ops.backward(q, block[0], block[1], q_seg, block[2], q_pos, block[3], out, lse,
+                             do)
+        # This block's work hides the next block's K/V and the last block's dK/dV.
+        nxt, grads, arrived = jax.lax.optimization_barrier((nxt, grads, arrived))
+        dq_b, dk_b, dv_b = grads
+        dq = dq + dq_b
+        acc = (dk_b, dv_b)
         if arrived is not None:
             acc = (arrived[0] + acc[0], arrived[1] + acc[1])
+        if hop == c - 1:  # complete: home in the compute dtype (rounded once, as anywhere)
+            acc = (acc[0].astype(k.dtype), acc[1].astype(v.dtype))
         arrived = _send(acc, c)   # to the rank that holds this block next (the last: home)
         block = nxt
-    dk, dv = arrived
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), arrived[0], arrived[1]
 
 
 def ring_attention(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):

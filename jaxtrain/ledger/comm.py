@@ -27,7 +27,8 @@ Conventions (DESIGN.md §5), N_local = parameters one device holds after TP and 
   (KV heads only; K·E/t is one head when KV heads are fewer than t): all_gather receives the
   other c-1 shards in a forward pass; a backward one gathers them again and reduce-scatters
   dK, dV (compute dtype). ring sends c-1 K/V hops in a forward pass; a backward one c-1 K/V
-  hops and c hops of the fp32 dK/dV accumulators (the last brings them home). The int32
+  hops, c-1 hops of the fp32 dK/dV accumulators and the one that brings them home, finished,
+  in the compute dtype. The int32
   segment ids and positions that travel with K/V (4 bytes a token against 4·K·E/t) are left
   out. The ring's hops overlap the blocks' attention (estimate.py times each hop against its
   block).
@@ -144,8 +145,8 @@ class CpPass(NamedTuple):
 class CpHops(NamedTuple):
     """The ring's hops of one layer pass (what all_gather moves is the same shards)."""
     forward: int         # K/V hops of a forward pass
-    backward_kv: int     # K/V hops of a backward pass
-    backward_grads: int  # dK/dV accumulator hops of a backward pass
+    backward_kv: int     # K/V hops of a backward pass (+1 K/V-sized: dK/dV going home)
+    backward_grads: int  # fp32 dK/dV accumulator hops of a backward pass
     kv: float            # one shard's K and V (bf16 convention)
     grads: float         # one shard's fp32 dK, dV
 
@@ -156,7 +157,7 @@ def cp_hops(cfg: Config, layout: Layout, seq_len: int) -> CpHops:
     kv_shards = layout.tensor if m.num_kv_heads % layout.tensor == 0 else m.num_kv_heads
     kv_width = m.num_kv_heads * m.resolved_head_dim / kv_shards
     tokens = seq_len / c * layout.micro_batch
-    return CpHops(c - 1, c - 1, c, 2 * tokens * kv_width * 2, 2 * tokens * kv_width * 4)
+    return CpHops(c - 1, c - 1, c - 1, 2 * tokens * kv_width * 2, 2 * tokens * kv_width * 4)
 
 
 def cp_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> tuple[CpPass, CpPass]:
@@ -167,7 +168,7 @@ def cp_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> tuple[CpPass, Cp
     h = cp_hops(cfg, layout, seq_len)
     if cfg.parallel.context_strategy == "ring":
         return (CpPass(h.forward * h.kv),
-                CpPass(h.backward_kv * h.kv, h.backward_grads * h.grads))
+                CpPass((h.backward_kv + 1) * h.kv, h.backward_grads * h.grads))
     return CpPass((c - 1) * h.kv), CpPass(2 * (c - 1) * h.kv)   # gather again + reduce-scatter
 
 

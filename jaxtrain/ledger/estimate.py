@@ -313,9 +313,8 @@ def _ring_exposed(cfg: Config, layout: Layout, seq: int, passes: comm.Passes, ba
     kv_s, grads_s = h.kv / bandwidth, h.grads / bandwidth
     forward = h.forward * max(0.0, kv_s - overlap * block_s)
     # a backward step carries the next K/V and the previous dK/dV while its block runs (2x
-    # the forward's work); the last dK/dV hop has no block left to hide behind.
-    backward = (h.backward_kv * max(0.0, kv_s + grads_s - overlap * 2 * block_s)
-                + (h.backward_grads - h.backward_kv) * grads_s)
+    # the forward's work); the last dK/dV hop (home, compute dtype) has no block left.
+    backward = (h.backward_kv * max(0.0, kv_s + grads_s - overlap * 2 * block_s) + kv_s)
     return passes.forward * forward + passes.backward * backward
 
 

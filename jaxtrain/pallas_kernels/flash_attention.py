@@ -517,10 +517,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Con
 
 
 def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do,
-              dlse_BHS=None):
-  """dq, dk, dv (and the debug counts). `lse_BHS` is the kernels' base-2 log-sum-exp (+inf for
-  rows that see no key); `dlse_BHS`, a cotangent of the natural-log LSE, enters as
-  delta - dlse (d lse / d s = p)."""
+              dlse_BHS=None, grad_dtype=None):
+  """dq, dk, dv (and the debug counts), in the inputs' dtypes or `grad_dtype`. `lse_BHS` is
+  the kernels' base-2 log-sum-exp (+inf for rows that see no key); `dlse_BHS`, a cotangent of
+  the natural-log LSE, enters as delta - dlse (d lse / d s = p)."""
   B, Sq, H, D = q.shape
   Sk, K = k.shape[1], k.shape[2]
   group = H // K
@@ -550,7 +550,8 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS,
     in_specs += _schedule_specs(cols, lambda j, b, kh: (b, j))
     args += list(cols)
   out_specs = [kv_block_spec, kv_block_spec]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, grad_dtype or k.dtype),
+               jax.ShapeDtypeStruct(v.shape, grad_dtype or v.dtype)]
   if cfg.count_blocks:
     out_specs.append(pl.BlockSpec((None, None, None), lambda j, b, kh: (b, kh, j)))
     out_shape.append(jax.ShapeDtypeStruct((B, K, Sk // bk), jnp.int32))
@@ -595,7 +596,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS,
     in_specs += _schedule_specs(rows, q_row)
     args += list(rows)
   out_specs = [q_spec]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)]
   if cfg.count_blocks:
     out_specs.append(pl.BlockSpec((None, None, None), row_map))
     out_shape.append(jax.ShapeDtypeStruct((B, H, num_q_blocks), jnp.int32))
@@ -640,12 +641,14 @@ def _forward_kernel(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
   return _forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)[:2]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward_kernels(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS):
-  return _backward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS)[:3]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 12))
+def _backward_kernels(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS,
+                      grad_dtype=None):
+  return _backward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS,
+                   grad_dtype)[:3]
 
 
-def _no_second_derivative(cfg, primals, tangents):
+def _no_second_derivative(cfg, *args):
   raise FlashAttentionError(
       "flash_attention has no second derivative (grad of grad, jvp of grad, Hessian-vector "
       "products): its backward pass is a kernel without a derivative. Differentiate "
@@ -700,9 +703,10 @@ def _flash_padded(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, cfg, padded_sq, padd
   return out[:, :Sq, :, :D], lse[:, :, :Sq]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_head_dim"))
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_head_dim",
+                                             "grad_dtype"))
 def _backward_padded(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, *, cfg, padded_sq,
-                     padded_sk, padded_head_dim):
+                     padded_sk, padded_head_dim, grad_dtype=None):
   Sq, Sk, D = q.shape[1], k.shape[1], q.shape[3]
   padded = _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_head_dim)
   rows = ((0, 0), (0, padded_sq - Sq), (0, 0), (0, padded_head_dim - D))
@@ -710,7 +714,7 @@ def _backward_padded(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, *, cfg
   # padded rows see no key (+inf), so they add nothing to dK/dV
   lse2 = jnp.pad(_kernel_lse(lse.astype(jnp.float32)), ((0, 0), (0, 0), (0, padded_sq - Sq)),
                  constant_values=jnp.inf)
-  dq, dk, dv = _backward_kernels(cfg, *padded, out, lse2, do, None)
+  dq, dk, dv = _backward_kernels(cfg, *padded, out, lse2, do, None, grad_dtype)
   return dq[:, :Sq, :, :D], dk[:, :Sk, :, :D], dv[:, :Sk, :, :D]
 
 
@@ -962,17 +966,21 @@ def flash_attention(
 
 
 def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, positions, out_BSHD,
-                             lse_BHS, do_BSHD, *, causal: bool = True, **options):
+                             lse_BHS, do_BSHD, *, causal: bool = True, grad_dtype=None,
+                             **options):
   """(dq, dk, dv) of one block of a larger attention, from the whole attention's output and
   LSE (natural log, -inf for no visible key) and the output cotangent: p = exp(s - lse) and
   ds = p (dp - rowsum(do * out)) are then this block's share of the exact gradients, as a
-  ring step's backward needs (context_attention.py). Same arguments and options as
+  ring step's backward needs (context_attention.py). In the inputs' dtypes, or `grad_dtype`
+  (float32: partial gradients that sum without rounding). Same arguments and options as
   flash_attention; not differentiable."""
   ids, sizes = _prepare(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, positions, causal=causal,
                         **_options(options))
+  dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
   if sizes is None:
-    return jnp.zeros_like(q_BSHD), jnp.zeros_like(k_BSKD), jnp.zeros_like(v_BSKD)
-  return _backward_padded(q_BSHD, k_BSKD, v_BSKD, *ids, out_BSHD, lse_BHS, do_BSHD, **sizes)
+    return tuple(jnp.zeros(x.shape, dtype or x.dtype) for x in (q_BSHD, k_BSKD, v_BSKD))
+  return _backward_padded(q_BSHD, k_BSKD, v_BSKD, *ids, out_BSHD, lse_BHS, do_BSHD,
+                          grad_dtype=dtype, **sizes)
 
 
 def _options(options: dict) -> dict:
