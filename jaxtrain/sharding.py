@@ -104,7 +104,8 @@ def logical_axes(abstract_state):
 
 
 def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False):
-    """Mesh PartitionSpecs for parameter-shaped arrays; with `zero1`, also sharded over data."""
+    """Mesh PartitionSpecs for parameter-shaped arrays; with `zero1`, also sharded over the
+    data-parallel group (data x context)."""
     def one(names, x):
         spec = logical_to_spec(tuple(names), x.shape, mesh, params=True)
         return add_data_axis(spec, x.shape, mesh) if zero1 else spec
@@ -112,18 +113,21 @@ def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False):
 
 
 def add_data_axis(spec: P, shape, mesh: Mesh) -> P:
-    """ZeRO-1: shard a (parameter-shaped) optimizer array over `data` as well, on the first dim
-    that is divisible; arrays with no such dim stay replicated over data."""
-    n = mesh.shape["data"]
+    """ZeRO-1: shard a (parameter-shaped) optimizer array over the data-parallel group as well
+    (`data`, and `context`, whose ranks hold the same parameters: Megatron's distributed
+    optimizer), on the first dim that is divisible; arrays with no such dim stay replicated."""
+    group = tuple(a for a in ("data", "context") if mesh.shape[a] > 1)
+    n = math.prod(mesh.shape[a] for a in group)
     if n == 1:
         return spec
     parts = list(spec) + [None] * (len(shape) - len(spec))
     for i, (axes, dim) in enumerate(zip(parts, shape)):
         flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
         if dim % (n * math.prod(mesh.shape[a] for a in flat)) == 0:
-            # `data` minor: each compute shard (say tensor block i) is then the contiguous run
-            # of data sub-blocks, so gathering over `data` needs no device permutation.
-            parts[i] = (*flat, "data") if flat else "data"
+            # the group minor: each compute shard (say tensor block i) is then the contiguous
+            # run of its sub-blocks, so gathering over the group needs no device permutation.
+            joined = (*flat, *group)
+            parts[i] = joined[0] if len(joined) == 1 else joined
             return P(*parts)
     return spec
 
