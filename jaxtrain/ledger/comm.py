@@ -172,9 +172,18 @@ def cp_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> tuple[CpPass, Cp
     return CpPass((c - 1) * h.kv), CpPass(2 * (c - 1) * h.kv)   # gather again + reduce-scatter
 
 
-def cp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes) -> float:
+def cp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes,
+             recomputed: float = 0.0) -> float:
+    """CP bytes per device per step; `recomputed`: the forward passes full recompute re-runs
+    (part of passes.forward), whose K/V transfers the backward pass next to them reuses (the
+    GPU compiler merges the identical ones: all_gather's whole gather, the ring's first hop;
+    XLA:CPU merges every ring hop)."""
     fwd, bwd = cp_pass_bytes(cfg, layout, seq_len)
-    return fwd.total * passes.forward + bwd.total * passes.backward
+    shared = 0.0
+    if layout.context > 1:
+        h = cp_hops(cfg, layout, seq_len)
+        shared = h.kv if cfg.parallel.context_strategy == "ring" else (layout.context - 1) * h.kv
+    return fwd.total * passes.forward + bwd.total * passes.backward - shared * recomputed
 
 
 def axis_in_node(layout: Layout, axis: str, gpu: Gpu) -> bool:

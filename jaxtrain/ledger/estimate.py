@@ -220,7 +220,9 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
                + comm.fsdp_rest_bytes(cfg, L, seq),
                "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
-               "vocab": comm.vocab_bytes(cfg, L), "cp": comm.cp_bytes(cfg, L, seq, passes)}
+               "vocab": comm.vocab_bytes(cfg, L),
+               "cp": comm.cp_bytes(cfg, L, seq, passes, passes.forward - comm.layer_passes(
+                   L, stage_layers, ex).forward)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
     seconds = {k: volumes[k] / links[k][1] for k in COMM_KINDS}
 
