@@ -244,3 +244,12 @@ def test_activation_memory_falls_with_the_context_degree(h100):
         assert per_layer[c] == pytest.approx(ledger[4].activation_bytes_per_layer, rel=0.05)
     assert per_layer[1] / per_layer[2] == pytest.approx(2, rel=0.05)
     assert per_layer[1] / per_layer[4] == pytest.approx(4, rel=0.05)
+
+
+def test_cudnn_runs_the_all_gather_strategy(h100):
+    """cuDNN's fused attention (forward and backward) attends a context shard's queries to
+    the gathered keys under an explicit causal/document mask."""
+    cfg = tiny_config(*BF16, *CP, "--model.attention=cudnn")
+    text = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8))).text
+    assert len(CUDNN_TARGET.findall(text)) == 2
+    assert not gpu_program.pallas_kernel_names(text)
