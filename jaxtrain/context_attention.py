@@ -10,7 +10,8 @@ load balancing rank r holds chunks r and 2c-1-r), in one of two ways:
   the core attends the local queries to all of them, and the backward reduce-scatters dK, dV.
   Only the local K and V are kept for the backward, which gathers them again (Megatron's and
   TE's all-gather CP), so no layer holds the whole sequence's K/V between passes.
-- `ring`: K/V blocks travel c-1 hops around the ring (ppermute); each hop's send is issued
+- `ring`: K/V blocks (stacked: one transfer a hop, as TE) travel c-1 hops around the ring
+  (ppermute); each hop's send is issued
   before the current block's attention, and the two meet at an optimization barrier, so the
   scheduler hides the transfer behind that block (XLA:GPU's scheduler otherwise runs the
   hops back to back: it sees no cost in a Pallas call). Partial outputs merge by their
@@ -203,11 +204,12 @@ def gathered_attention(ops: BlockOps, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 
 
 def _ring_forward(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
-    block = (k, v, kv_seg, kv_pos)
+    block = (jnp.stack([k, v]), kv_seg, kv_pos)   # K and V stacked: one transfer a hop
     out = lse = None
     for hop in range(c):
         nxt = _send(block, c) if hop < c - 1 else None   # issued before this block's work
-        o, l = ops.forward(q, block[0], block[1], q_seg, block[2], q_pos, block[3])
+        kv, seg, pos = block
+        o, l = ops.forward(q, kv[0], kv[1], q_seg, seg, q_pos, pos)
         if nxt is not None:
             # The next block's transfer and this block's attention meet here, so the
             # scheduler has nothing else to put between the send's start and its done.
@@ -220,22 +222,22 @@ def _ring_forward(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 
 def _ring_backward(ops: BlockOps, c: int, res, do):
     q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = res
-    block = (k, v, kv_seg, kv_pos)
+    block = (jnp.stack([k, v]), kv_seg, kv_pos)
     dq = jnp.zeros(q.shape, jnp.float32)
-    arrived = None   # the dK/dV accumulators of the block this rank holds now
+    arrived = None   # the (stacked) dK/dV accumulators of the block this rank holds now
     for hop in range(c):
         nxt = _send(block, c) if hop < c - 1 else None
-        grads = ops.backward(q, block[0], block[1], q_seg, block[2], q_pos, block[3], out, lse,
-                             do)
+        kv, seg, pos = block
+        grads = ops.backward(q, kv[0], kv[1], q_seg, seg, q_pos, pos, out, lse, do)
         # This block's work hides the next block's K/V and the last block's dK/dV.
         nxt, grads, arrived = jax.lax.optimization_barrier((nxt, grads, arrived))
         dq_b, dk_b, dv_b = grads
         dq = dq + dq_b
-        acc = (dk_b, dv_b)
+        acc = jnp.stack([dk_b, dv_b])
         if arrived is not None:
-            acc = (arrived[0] + acc[0], arrived[1] + acc[1])
+            acc = arrived + acc
         if hop == c - 1:  # complete: home in the compute dtype (rounded once, as anywhere)
-            acc = (acc[0].astype(k.dtype), acc[1].astype(v.dtype))
+            acc = acc.astype(k.dtype)
         arrived = _send(acc, c)   # to the rank that holds this block next (the last: home)
         block = nxt
     return dq.astype(q.dtype), arrived[0], arrived[1]

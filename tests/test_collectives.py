@@ -267,8 +267,8 @@ CP_LAYOUTS = {
 def test_context_collectives_match_ledger(name):
     """Over `context`: the attention's K/V gathers (and dK/dV reduce-scatters) or ring hops
     (K/V in the compute dtype, dK/dV accumulators in fp32) are the ledger's cp bytes, wire
-    for wire; the int32 segment ids that travel with K/V are hoisted out of the layer loop
-    and small; the gradients are reduced once, over data x context together, after the
+    for wire; the int32 segment ids and positions that travel with K/V are small (the ledger
+    leaves them out); the gradients are reduced once, over data x context together, after the
     microbatches (no per-layer reduction over context)."""
     cfg, setup, _, colls = compiled_step(name)
     layout = layout_from_config(cfg, setup.mesh.size)
@@ -285,7 +285,7 @@ def test_context_collectives_match_ledger(name):
                      else {"all-gather", "reduce-scatter"}), kinds
     assert got == pytest.approx(want, rel=1e-6), (got, want)
     ids = [c for c in over_context if c not in floats]
-    assert all(c.shape.startswith("s32") and c.count <= layout.microbatches for c in ids)
+    assert all(c.shape.startswith("s32") for c in ids)
     assert sum(c.wire_bytes_per_step for c in ids) < 0.05 * got
     reduced = [c for c in colls if c.axes == ("data", "context")]
     assert reduced and all(not c.in_loop and c.count == 1 for c in reduced)
