@@ -94,12 +94,12 @@ def xla_block_forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     m = jnp.max(scores, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(scores - m_safe[..., None])           # masked entries are exactly 0
-    l = jnp.sum(p, axis=-1)
+    total = jnp.sum(p, axis=-1)
     out = jnp.einsum("bkgst,btke->bskge", p.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
-    l_safe = jnp.where(l == 0.0, 1.0, l)
-    out = out / jnp.moveaxis(l_safe, 3, 1)[..., None]
-    lse = jnp.where(l == 0.0, -jnp.inf, m_safe + jnp.log(l_safe))   # [B, K, G, S]
+    total_safe = jnp.where(total == 0.0, 1.0, total)
+    out = out / jnp.moveaxis(total_safe, 3, 1)[..., None]
+    lse = jnp.where(total == 0.0, -jnp.inf, m_safe + jnp.log(total_safe))   # [B, K, G, S]
     return out.reshape(b, s, h, e).astype(q.dtype), lse.reshape(b, h, s)
 
 
@@ -155,10 +155,13 @@ def merge(out_a, lse_a, out_b, lse_b):
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w_a, w_b = jnp.exp(lse_a - m_safe), jnp.exp(lse_b - m_safe)
     total = w_a + w_b
-    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    scale = lambda w: jnp.moveaxis(jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0),  # noqa: E731
-                                             0.0), 1, 2)[..., None]
-    return out_a * scale(w_a) + out_b * scale(w_b), lse
+    seen = total > 0
+    total_safe = jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, m_safe + jnp.log(total_safe), -jnp.inf)
+
+    def share(w_BHS):  # [B, H, S] -> [B, S, H, 1], the output's layout
+        return jnp.moveaxis(jnp.where(seen, w_BHS / total_safe, 0.0), 1, 2)[..., None]
+    return out_a * share(w_a) + out_b * share(w_b), lse
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -209,13 +212,13 @@ def _ring_forward(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     for hop in range(c):
         nxt = _send(block, c) if hop < c - 1 else None   # issued before this block's work
         kv, seg, pos = block
-        o, l = ops.forward(q, kv[0], kv[1], q_seg, seg, q_pos, pos)
+        o, o_lse = ops.forward(q, kv[0], kv[1], q_seg, seg, q_pos, pos)
         if nxt is not None:
             # The next block's transfer and this block's attention meet here, so the
             # scheduler has nothing else to put between the send's start and its done.
-            nxt, o, l = jax.lax.optimization_barrier((nxt, o, l))
+            nxt, o, o_lse = jax.lax.optimization_barrier((nxt, o, o_lse))
         o = o.astype(jnp.float32)
-        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        out, lse = (o, o_lse) if out is None else merge(out, lse, o, o_lse)
         block = nxt
     return out.astype(q.dtype), lse
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config, ParallelConfig
 from jaxtrain.context_attention import ContextPlan
-from jaxtrain.ledger.layout import LayoutError, layout_from_config, resolve_degrees
+from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
 
 MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")  # outermost first; tensor fastest
 

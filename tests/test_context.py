@@ -108,11 +108,29 @@ def test_context_parallel_equals_one_device(name, one_device):
     ["--remat.granularity=full", "--remat.num_layers=1"],
     ["--remat.granularity=selective", "--remat.modules=core_attn"],
     ["--remat.policy=save:qkv_proj,core_attn"],
-], ids=["full", "selective", "save_names"])
+    ["--remat.granularity=full", "--remat.method=block", "--remat.num_layers=1",
+     "--model.num_layers=2"],
+], ids=["full", "selective", "save_names", "block"])
 def test_context_parallel_under_every_remat_kind(remat, one_device):
     overrides = ["--parallel.data=1", "--parallel.context=2", "--parallel.context_strategy=ring",
                  *remat]
-    _assert_same(_grads(overrides, 2, one_device[2]), one_device)
+    want = one_device if "--model.num_layers=2" not in remat else _grads(
+        ["--parallel.data=1", "--model.num_layers=2"], 1)
+    _assert_same(_grads(overrides, 2, want[2]), want)
+
+
+def test_eval_sums_equal_one_device(one_device):
+    """The eval step (per_replica over data x context) sums the same loss and tokens."""
+    sums = []
+    for overrides, n in ((["--parallel.data=1"], 1),
+                         (["--parallel.data=2", "--parallel.context=2",
+                           "--parallel.context_strategy=all_gather"], 4)):
+        cfg = tiny_config(*BASE, *overrides)
+        setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:n]))
+        params = jax.device_put(one_device[2], setup.param_shardings)
+        sums.append([float(x) for x in step.make_eval_step(setup)(
+            params, random_batch(cfg, 1, docs_per_row=3))])
+    np.testing.assert_allclose(sums[1], sums[0], rtol=1e-5)
 
 
 def test_context_parallel_with_pipeline_stages():
