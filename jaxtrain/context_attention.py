@@ -11,14 +11,13 @@ load balancing rank r holds chunks r and 2c-1-r), in one of two ways:
   Only the local K and V are kept for the backward, which gathers them again (Megatron's and
   TE's all-gather CP), so no layer holds the whole sequence's K/V between passes.
 - `ring`: K/V blocks (stacked: one transfer a hop, as TE) travel c-1 hops around the ring
-  (ppermute); each hop's send is issued
-  before the current block's attention, and the two meet at an optimization barrier, so the
-  scheduler hides the transfer behind that block (XLA:GPU's scheduler otherwise runs the
-  hops back to back: it sees no cost in a Pallas call). Partial outputs merge by their
-  log-sum-exp in fp32. The backward passes K/V around again, with the fp32 dK/dV
-  accumulators travelling with their block (c sends: the last brings them home). The loop is
-  unrolled in Python (TE notes that a scan costs an extra KV permute). The last hop brings the
-  finished dK/dV home in the compute dtype.
+  (ppermute); each hop's send is issued before the current block's attention, and the two
+  meet at an optimization barrier, so the scheduler hides the transfer behind that block
+  (XLA:GPU's scheduler otherwise ran the hops back to back: it sees no cost in a Pallas
+  call). Partial outputs merge by their log-sum-exp in fp32. The backward passes K/V around
+  again, with the fp32 dK/dV accumulators travelling with their block (c sends; the last
+  brings the finished dK/dV home in the compute dtype). The loop is unrolled in Python (TE
+  notes that a scan costs an extra KV permute).
 
 Both are exact for any mask: the causal mask is by global position, documents by segment id,
 and only KV heads move (GQA; K/V are never repeated before communicating). A row that sees no

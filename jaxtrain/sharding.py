@@ -287,6 +287,10 @@ class ShardedAttention:
         seq = _mesh_axes_for("sequence", 1, mesh, s) if self.context else None
         outer = bool(self.context) and "context" in mesh.manual_axes
         c = mesh.shape["context"] if seq or outer else 1
+        if self.context and mesh.shape["context"] > 1 and c == 1:
+            raise context_attention.ContextAttentionError(
+                f"a sequence of {s} tokens does not split over context={mesh.shape['context']}"
+                "; use a length divisible by it (2x it under causal load balancing)")
         q_spec, kv_spec = P(batch, seq, heads, None), P(batch, seq, kv_heads, None)
         args = [q_BSHE, k_BSKE, v_BSKE, segment_ids_BS]
         if c > 1:  # each token's global position, split like the sequence
