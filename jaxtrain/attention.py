@@ -9,7 +9,8 @@ h reads KV head h // (H/K). Implementations:
 
 A kernel is an opaque custom call that GSPMD cannot split, so on a mesh `pallas` and `cudnn`
 run per shard under `jax.shard_map` (sharding.shard_attention: batch and heads where the rules
-table puts them, the sequence whole; context parallelism is not supported). Which core `auto`
+table puts them, the sequence whole, or, under context parallelism, split over `context` with
+every core run by context_attention.py's strategies). Which core `auto`
 means, and whether the kernel is interpreted, follows the devices the program is compiled
 for (`sharding.platform`), so a compile for GPU targets picks what a GPU would run.
 """

@@ -91,6 +91,12 @@ class ParallelConfig(_Section):
     tensor: int = 1
     sequence_parallel: bool = False
     context: int = 1
+    # Context parallelism's attention: K/V all-gathered over `context` (any mask), or passed
+    # around the ring, each hop hidden behind a block's attention (context_attention.py).
+    context_strategy: Literal["all_gather", "ring"] = "all_gather"
+    # Causal load balancing: the data pipeline gives context rank r chunks r and 2c-1-r of
+    # each sequence (jaxtrain/data/context.py), so every rank does the same attention work.
+    context_load_balance: bool = True
     stage: int = 1
     virtual_stages: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
@@ -463,6 +469,42 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+# Which attention cores (model.attention) run each parallel.context_strategy.
+CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "cudnn"),
+                      "ring": ("auto", "xla", "pallas")}
+
+
+def validate_context(cfg: Config) -> None:
+    """Context parallelism's checks that need no devices (the degree dividing the devices is
+    sharding.validate_layout's)."""
+    p, m, s = cfg.parallel, cfg.model, cfg.train.seq_len
+    c = p.context
+    if c == 1:
+        return
+    _check(p.context_strategy in CONTEXT_STRATEGIES,
+           f"parallel.context_strategy={p.context_strategy!r} is unknown; choose one of "
+           f"{', '.join(CONTEXT_STRATEGIES)}")
+    supported = CONTEXT_STRATEGIES[p.context_strategy]
+    _check(m.attention in supported,
+           f"parallel.context_strategy={p.context_strategy} is not supported by "
+           f"model.attention={m.attention}; " + "; ".join(
+               f"{k} runs on {', '.join(a for a in v if a != 'auto')}"
+               for k, v in CONTEXT_STRATEGIES.items()) + ": change one of them")
+    if not p.context_load_balance:
+        _check(c == -1 or s % c == 0, f"train.seq_len={s} is not divisible by parallel.context="
+               f"{c}; use a multiple of {c}")
+        return
+    _check(c != -1, "parallel.context=-1 with parallel.context_load_balance=true: the data "
+           "pipeline reorders each sequence for a fixed degree; give parallel.context a number "
+           "or set parallel.context_load_balance=false")
+    _check(c % 2 == 0, f"parallel.context={c} is odd: causal load balancing (parallel."
+           "context_load_balance=true) is supported for even degrees only (as in MaxText); use "
+           "an even parallel.context or set parallel.context_load_balance=false")
+    _check(s % (2 * c) == 0, f"train.seq_len={s} does not split into 2 x parallel.context={c} = "
+           f"{2 * c} chunks (causal load balancing gives rank r chunks r and {2 * c - 1}-r); "
+           f"use a seq_len divisible by {2 * c} or set parallel.context_load_balance=false")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no devices. Mesh-size checks live in sharding.validate_layout."""
     m, p, t, r, f = cfg.model, cfg.parallel, cfg.train, cfg.remat, cfg.fp8
@@ -488,6 +530,7 @@ def validate(cfg: Config) -> None:
            "only one of parallel.data/fsdp/tensor/context/stage may be -1 (fill the rest)")
     _check(p.microbatches >= 1, f"parallel.microbatches={p.microbatches} must be >= 1")
     _check(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
+    validate_context(cfg)
     _check(not p.sequence_parallel or p.tensor != 1,
            "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards the sequence "
            "over the tensor axis); set parallel.tensor or turn sequence_parallel off")

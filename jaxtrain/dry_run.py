@@ -23,7 +23,9 @@ devices, the model unchanged, and every change is printed with its reason:
   first/last_stage_layers are kept when valid for that stage count: virtual_stages drops to
   the largest that still splits the layers (schedule 1f1b at 1), microbatches rounds up to a
   multiple of stage for interleaving, the uneven split is dropped when stage changed;
-- context goes to 1 (not implemented yet);
+- context keeps the planned degree where it divides the n/stage devices of a stage and splits
+  the sequence (into 2·context chunks under causal load balancing), else the largest valid
+  degree below it;
 - tensor and fsdp keep the planned degree where it divides the n/stage devices of a stage
   (else the largest valid degree below it), data fills the rest;
 - the global batch becomes data x fsdp x the planned micro-batch x microbatches, so each
@@ -185,6 +187,11 @@ def _tensor_ok(cfg: Config, t: int, n: int) -> bool:
             and (not cfg.parallel.sequence_parallel or cfg.train.seq_len % t == 0))
 
 
+def _context_ok(cfg: Config, c: int) -> bool:
+    seq, balanced = cfg.train.seq_len, cfg.parallel.context_load_balance
+    return c == 1 or (seq % c == 0 and (not balanced or (c % 2 == 0 and seq % (2 * c) == 0)))
+
+
 def runs_as_is(cfg: Config, n: int) -> bool:
     """True when the trainer accepts the configured layout on n devices."""
     from jaxtrain import sharding
@@ -288,8 +295,12 @@ def _scaled(cfg: Config, planned: Planned, n: int) -> tuple[Config, list[str]]:
         why = "no pipeline" if s == 1 else f"the uneven split is for stage={P.stage}"
         change("parallel.first_stage_layers", 0, why)
         change("parallel.last_stage_layers", 0)
-    change("parallel.context", 1, "context parallelism is not implemented yet")
     per = n // s  # the devices of one pipeline stage
+    c = max(d for d in range(1, P.context + 1) if per % d == 0 and _context_ok(cfg, d))
+    change("parallel.context", c, "" if c == P.context else f"the largest degree <= "
+           f"{P.context} that divides the {_devices(per)}{' of a stage' if s > 1 else ''} "
+           "and splits the sequence")
+    per //= c
     t = max(d for d in range(1, P.tensor + 1) if _tensor_ok(cfg, d, per))
     change("parallel.tensor", t, "" if t == P.tensor else f"the largest degree <= {P.tensor} "
            f"that divides the {_devices(per)}{' of a stage' if s > 1 else ''} and the heads")
@@ -381,10 +392,14 @@ class DryRun:
         compiled: dict = {}
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
             compiled[axes] = compiled.get(axes, 0.0) + b
-        c = self.estimate.comm_bytes
+        c, L = self.estimate.comm_bytes, self.estimate.layout
+        # Gradients are reduced once over the data-parallel group: data and context.
+        dp_axes = tuple(a for a in ("data", "context") if L.degree(a) > 1) or ("data",)
         # The vocab tables' gradients reach every stage rank in an all-reduce over stage.
-        ledger = {("tensor",): c["tp"], ("data",): c["dp"], ("fsdp",): c["fsdp"],
+        ledger = {("tensor",): c["tp"], dp_axes: c["dp"], ("fsdp",): c["fsdp"],
                   ("stage",): c["pp"] + c["vocab"]}
+        if L.context > 1:  # the attention's K/V (and dK/dV) over context
+            ledger[("context",)] = ledger.get(("context",), 0.0) + c["cp"]
         keys = [k for k in ledger if ledger[k] or k in compiled]
         keys += sorted((k for k in compiled if k not in ledger), key=str)
         return {k: (ledger.get(k), compiled.get(k)) for k in keys}

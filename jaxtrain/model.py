@@ -213,8 +213,9 @@ def _elementwise_recomputed(fn):
 
 
 def _gather_sequence(constrain):
-    """x -> x with every position (the projections' input), from its SP shards."""
-    return lambda x_BSD: constrain(x_BSD, ("batch", None, "embed"))
+    """x -> x with every position of its context shard (the projections' input), from its
+    SP shards."""
+    return lambda x_BSD: constrain(x_BSD, ("batch", "sequence", "embed"))
 
 
 def _split_sequence(constrain):
@@ -315,12 +316,12 @@ class Attention(nnx.Module):
         c = self.ops.constrain
         q_BSHE, k_BSKE, v_BSKE = project_gathered(_gather_sequence(c), x_BSD,
                                                   (self.wq, self.wk, self.wv), fp8)
-        q_BSHE = c(checkpoint_name(q_BSHE, "qkv_proj"), ("batch", None, "heads", None))
-        k_BSKE = c(checkpoint_name(k_BSKE, "qkv_proj"), ("batch", None, "kv_heads", None))
-        v_BSKE = c(checkpoint_name(v_BSKE, "qkv_proj"), ("batch", None, "kv_heads", None))
+        q_BSHE = c(checkpoint_name(q_BSHE, "qkv_proj"), ("batch", "sequence", "heads", None))
+        k_BSKE = c(checkpoint_name(k_BSKE, "qkv_proj"), ("batch", "sequence", "kv_heads", None))
+        v_BSKE = c(checkpoint_name(v_BSKE, "qkv_proj"), ("batch", "sequence", "kv_heads", None))
         q_BSHE, k_BSKE = apply_rope(q_BSHE, cos, sin), apply_rope(k_BSKE, cos, sin)
         o_BSHE = self.ops.attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS)
-        o_BSHE = c(checkpoint_name(o_BSHE, "core_attn"), ("batch", None, "heads", None))
+        o_BSHE = c(checkpoint_name(o_BSHE, "core_attn"), ("batch", "sequence", "heads", None))
         return checkpoint_name(project_scattered(_gather_sequence(c), _split_sequence(c), o_BSHE,
                                                  self.wo, fp8), "attn_out")
 
@@ -343,8 +344,8 @@ class Mlp(nnx.Module):
         c = self.ops.constrain
         gate_BSF, up_BSF = project_gathered(_gather_sequence(c), x_BSD,
                                             (self.w_gate, self.w_up), fp8)
-        gate_BSF = c(checkpoint_name(gate_BSF, "mlp_in"), ("batch", None, "mlp"))
-        up_BSF = c(checkpoint_name(up_BSF, "mlp_in"), ("batch", None, "mlp"))
+        gate_BSF = c(checkpoint_name(gate_BSF, "mlp_in"), ("batch", "sequence", "mlp"))
+        up_BSF = c(checkpoint_name(up_BSF, "mlp_in"), ("batch", "sequence", "mlp"))
         h_BSF = checkpoint_name(swiglu(gate_BSF, up_BSF), "mlp_act")
         return checkpoint_name(project_scattered(_gather_sequence(c), _split_sequence(c), h_BSF,
                                                  self.w_down, fp8), "mlp_out")

@@ -6,7 +6,8 @@
 The walk: tensor parallelism inside the NVLink domain (degrees that divide the heads and KV
 heads) -> for each tensor degree and recompute level, the smallest pipeline degree that fits
 (layers divisible), with virtual stages and micro-batch 1 or 2 -> data parallelism (ZeRO-1)
-fills the rest -> context parallelism only when nothing fits without it. Every candidate is
+fills the rest -> context parallelism (with each tensor degree that leaves room for it) when
+nothing fits without it or the sequence is long (>= 32K tokens). Every candidate is
 costed by `jaxtrain.ledger.estimate`; the recommendation has the highest expected MFU (midpoint
 of its range) among those that fit. Exit codes: 0 ok, 1 nothing fits, 2 bad input.
 """
@@ -106,7 +107,7 @@ def _layouts(cfg: Config, n_devices: int, t: int, p: int, c: int, fsdp: int):
                 continue
             yield Layout(tensor=t, stage=p, data=d, fsdp=fsdp, context=c, virtual_stages=v,
                          micro_batch=b, microbatches=m, sequence_parallel=t > 1,
-                         zero1=d > 1, schedule="interleaved_1f1b" if v > 1 else "1f1b")
+                         zero1=d * c > 1, schedule="interleaved_1f1b" if v > 1 else "1f1b")
 
 
 def _costed(cfg, gpu, layouts, remat_name):
@@ -172,13 +173,14 @@ def plan(cfg: Config, n_devices: int, gpu: str | Gpu, *, fsdp: int = 1) -> Plan:
     why_cp = _why_context(cfg, rows)
     if why_cp:
         seq = cfg.train.seq_len
-        t_max = tensor_options(cfg, n_devices, gpu)[-1:]
         for c in divisors(n_devices)[1:]:
             if seq % c:
                 continue
             walk.append(f"{why_cp}: trying context={c}")
-            # Context parallelism comes after tensor parallelism is maxed out.
-            rows += _walk(cfg, n_devices, gpu, c, fsdp, walk, tensors=t_max)
+            # Every tensor degree that leaves room for c: with grouped-query attention a
+            # context rank moves only K/V, less than tensor parallelism's activations.
+            tensors = [t for t in tensor_options(cfg, n_devices, gpu) if (n_devices // c) % t == 0]
+            rows += _walk(cfg, n_devices, gpu, c, fsdp, walk, tensors=tensors)
             if _why_context(cfg, [e for e in rows if e.layout.context == c]) is None:
                 break
     if not rows:
@@ -318,7 +320,7 @@ def explicit_layout(cfg: Config, n_devices: int, *, tensor=None, stage=None, vir
 
 _COLUMNS = ("#", "", "tensor", "stage", "data", "ctx", "v", "mb", "m", "bubble", "static",
             "act none/sel/full", "remat", "total", "fits", "DP GB/s", "TP GB/s", "PP GB/s",
-            "FSDP GB/s", "ideal s", "MFU")
+            "FSDP GB/s", "CP GB/s", "ideal s", "MFU")
 
 
 def _row(i: int, c: Candidate) -> list[str]:
@@ -333,7 +335,7 @@ def _row(i: int, c: Candidate) -> list[str]:
             f"{e.static_bytes / GiB:.1f}",
             "/".join(f"{a[k] / GiB:.1f}" for k in ("none", "selective", "full")),
             e.remat.split("(")[0], f"{e.total_bytes / GiB:.1f}", "yes" if e.fits else "NO",
-            cm("dp"), cm("tp"), cm("pp"), cm("fsdp"), f"{e.ideal_step_s:.2f}",
+            cm("dp"), cm("tp"), cm("pp"), cm("fsdp"), cm("cp"), f"{e.ideal_step_s:.2f}",
             f"{e.expected_mfu[0]:.0%}-{e.expected_mfu[1]:.0%}"]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,14 +17,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config, ParallelConfig
-from jaxtrain.ledger.layout import LayoutError, layout_from_config, resolve_degrees
+from jaxtrain.context_attention import ContextPlan
+from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
 
 MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")  # outermost first; tensor fastest
 
 # logical axis -> (mesh axes for parameters, mesh axes for activations)
 RULES: dict[str, tuple] = {
     "batch":    (None,     ("data", "fsdp")),
-    "length":   (None,     None),       # "tensor" in the residual stream under sequence parallelism
+    # The sequence of every activation is split over `context` (context parallelism); under
+    # sequence parallelism the residual stream's `length` is split over (context, tensor),
+    # while `sequence` names the dims SP leaves whole (inside attention and the MLP).
+    "length":   (None,     "context"),
+    "sequence": (None,     "context"),
     "embed":    ("fsdp",   None),
     "heads":    ("tensor", "tensor"),
     "kv_heads": ("tensor", "tensor"),
@@ -53,11 +58,7 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
 def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
     """Everything about the layout that can be checked before compiling; the mesh degrees."""
     layout_from_config(cfg, n_devices)  # divisibility of heads, MLP, batch, sequence, layers
-    shape = mesh_shape(cfg, n_devices)
-    if shape["context"] > 1:
-        raise LayoutError("parallel.context > 1: context parallelism is not implemented yet; "
-                          "set parallel.context=1")
-    return shape
+    return mesh_shape(cfg, n_devices)
 
 
 # ----------------------------------------------------------------------------- specs
@@ -103,7 +104,8 @@ def logical_axes(abstract_state):
 
 
 def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False):
-    """Mesh PartitionSpecs for parameter-shaped arrays; with `zero1`, also sharded over data."""
+    """Mesh PartitionSpecs for parameter-shaped arrays; with `zero1`, also sharded over the
+    data-parallel group (data x context)."""
     def one(names, x):
         spec = logical_to_spec(tuple(names), x.shape, mesh, params=True)
         return add_data_axis(spec, x.shape, mesh) if zero1 else spec
@@ -111,18 +113,21 @@ def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False):
 
 
 def add_data_axis(spec: P, shape, mesh: Mesh) -> P:
-    """ZeRO-1: shard a (parameter-shaped) optimizer array over `data` as well, on the first dim
-    that is divisible; arrays with no such dim stay replicated over data."""
-    n = mesh.shape["data"]
+    """ZeRO-1: shard a (parameter-shaped) optimizer array over the data-parallel group as well
+    (`data`, and `context`, whose ranks hold the same parameters: Megatron's distributed
+    optimizer), on the first dim that is divisible; arrays with no such dim stay replicated."""
+    group = tuple(a for a in ("data", "context") if mesh.shape[a] > 1)
+    n = math.prod(mesh.shape[a] for a in group)
     if n == 1:
         return spec
     parts = list(spec) + [None] * (len(shape) - len(spec))
     for i, (axes, dim) in enumerate(zip(parts, shape)):
         flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
         if dim % (n * math.prod(mesh.shape[a] for a in flat)) == 0:
-            # `data` minor: each compute shard (say tensor block i) is then the contiguous run
-            # of data sub-blocks, so gathering over `data` needs no device permutation.
-            parts[i] = (*flat, "data") if flat else "data"
+            # the group minor: each compute shard (say tensor block i) is then the contiguous
+            # run of its sub-blocks, so gathering over the group needs no device permutation.
+            joined = (*flat, *group)
+            parts[i] = joined[0] if len(joined) == 1 else joined
             return P(*parts)
     return spec
 
@@ -187,7 +192,11 @@ class ActivationSharding:
         if self.sequence_parallel and not any(_uses_tensor(n) for n in names):
             # Only the residual stream ([batch, length, embed]) is split over the sequence;
             # arrays with a tensor-parallel dim (logits: vocab) keep tensor on that dim.
-            overrides["length"] = "tensor" if mesh.shape["tensor"] > 1 else None
+            # Tensor is minor to context: a context shard splits further over tensor.
+            manual = set(mesh.manual_axes)
+            seq = tuple(a for a in ("context", "tensor") if mesh.shape[a] > 1
+                        and a not in manual)
+            overrides["length"] = seq[0] if len(seq) == 1 else (seq or None)
         spec = logical_to_spec(names, x.shape, mesh, params=False, overrides=overrides)
         if self.sequence_parallel and "length" in names:
             spec = _drop_if_indivisible(spec, x.shape, mesh)
@@ -209,11 +218,12 @@ def _drop_if_indivisible(spec, shape, mesh):
 
 def batch_spec(mesh: Mesh) -> P:
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-    return P(axes if len(axes) > 1 else (axes[0] if axes else None), None)
+    return P(axes if len(axes) > 1 else (axes[0] if axes else None),
+             "context" if mesh.shape["context"] > 1 else None)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Where a global [B, S] batch lives: rows over (data, fsdp)."""
+    """Where a global [B, S] batch lives: rows over (data, fsdp), the sequence over context."""
     return NamedSharding(mesh, batch_spec(mesh))
 
 
@@ -253,49 +263,74 @@ class ShardedAttention:
     split where the rules table puts them (`batch`, `heads`, `kv_heads` activations) over the
     context mesh's automatic axes — so it runs the same in the train step, inside the
     pipeline's shard_map and on compile-only devices. When KV heads are fewer than the head
-    shards, K/V stay whole and each shard slices the KV heads its query heads read. Hashable
-    by value (nnx keeps it in the graph definition through `Ops`)."""
+    shards, K/V stay whole and each shard slices the KV heads its query heads read (before
+    anything moves over `context`). With `context` > 1 the sequence is split too and each
+    shard runs `context` plan's strategy (context_attention.py) on the core, with its
+    tokens' global positions. Hashable by value (nnx keeps it in the graph definition
+    through `Ops`)."""
     kernel: Callable
     mesh: Mesh
+    context: Optional[ContextPlan] = None
 
     def __call__(self, q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
+        from jaxtrain import context_attention
         from jaxtrain.attention import local_kv_heads
         mesh = context_mesh(self.mesh)
-        b, _, n_heads, _ = q_BSHE.shape
+        b, s, n_heads, _ = q_BSHE.shape
         batch = _mesh_axes_for("batch", 1, mesh, b)
         heads = _mesh_axes_for("heads", 1, mesh, n_heads)
         kv_heads = _mesh_axes_for("kv_heads", 1, mesh, k_BSKE.shape[2]) if heads else None
         kv_heads = kv_heads if kv_heads == heads else None
         head_shards = math.prod(mesh.shape[a] for a in _flat(heads))
-        q_spec, kv_spec = P(batch, None, heads, None), P(batch, None, kv_heads, None)
+        # The sequence is split over `context` here (seq), or the caller's shard_map holds
+        # `context` manual and q.. are already its rank's part (the train step's per_replica).
+        seq = _mesh_axes_for("sequence", 1, mesh, s) if self.context else None
+        outer = bool(self.context) and "context" in mesh.manual_axes
+        c = mesh.shape["context"] if seq or outer else 1
+        if self.context and mesh.shape["context"] > 1 and c == 1:
+            raise context_attention.ContextAttentionError(
+                f"a sequence of {s} tokens does not split over context={mesh.shape['context']}"
+                "; use a length divisible by it (2x it under causal load balancing)")
+        q_spec, kv_spec = P(batch, seq, heads, None), P(batch, seq, kv_heads, None)
+        args = [q_BSHE, k_BSKE, v_BSKE, segment_ids_BS]
+        if c > 1:  # each token's global position, split like the sequence
+            order_CS = self.context.positions(s * (c if outer else 1), c).reshape(c, -1)
+            args.append(jnp.asarray(order_CS if outer else order_CS.reshape(-1)))
 
-        def per_shard(q, k, v, seg):
+        def per_shard(q, k, v, seg, *pos):
             if heads and not kv_heads:
                 k, v = local_kv_heads(k, v, n_heads, head_shards, jax.lax.axis_index(heads))
-            return self.kernel(q, k, v, seg)
+            if c == 1:
+                return self.kernel(q, k, v, seg)
+            pos_S = pos[0][jax.lax.axis_index("context")] if outer else pos[0]
+            return context_attention.attend(self.kernel, self.context, c, q, k, v, seg, seg,
+                                            pos_S, pos_S)
 
         # check_vma=False: a pallas_call carries no varying-axes types for the checker (and
         # jax 0.10's Pallas interpreter cannot type its loops). The specs are exact, and
         # autodiff still sums replicated K/V's cotangents over `tensor`.
         inner = {a for a in mesh.axis_names if a not in set(mesh.manual_axes)}
-        return jax.shard_map(per_shard, mesh=mesh, axis_names=inner,
-                             in_specs=(q_spec, kv_spec, kv_spec, P(batch, None)),
-                             out_specs=q_spec, check_vma=False)(
-            q_BSHE, k_BSKE, v_BSKE, segment_ids_BS)
+        in_specs = (q_spec, kv_spec, kv_spec, P(batch, seq)) + ((P(seq),) if c > 1 else ())
+        return jax.shard_map(per_shard, mesh=mesh, axis_names=inner, in_specs=in_specs,
+                             out_specs=q_spec, check_vma=False)(*args)
 
 
 def _flat(axes) -> tuple:
     return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
-def shard_attention(core: Callable, mesh: Mesh | None) -> Callable:
+def shard_attention(core: Callable, mesh: Mesh | None,
+                    context: Optional[ContextPlan] = None) -> Callable:
     """`ops.attention` on `mesh`: an opaque kernel per shard (ShardedAttention); the xla core
-    as it is (GSPMD partitions it like the rest of the model)."""
-    from jaxtrain.attention import AttentionConfigError, is_kernel
+    as it is (GSPMD partitions it like the rest of the model). With `context` > 1 every core
+    runs per shard with `context`'s strategy (default: all_gather, load-balanced); a core
+    that lacks the strategy fails here, before anything compiles."""
+    from jaxtrain import context_attention
+    from jaxtrain.attention import is_kernel
     if mesh is not None and mesh.shape.get("context", 1) > 1:
-        raise AttentionConfigError(
-            f"parallel.context={mesh.shape['context']}: attention does not support context "
-            "parallelism (the sequence must be whole on every device); set parallel.context=1")
+        context = context or ContextPlan()
+        context_attention.check_supported(core, context.strategy)
+        return ShardedAttention(core, mesh, context)
     if mesh is None or mesh.size == 1 or not is_kernel(core):
         return core
     return ShardedAttention(core, mesh)
@@ -321,9 +356,11 @@ class ShardedLookup:
         vocab = _flat(_mesh_axes_for("vocab", 0, mesh, V))
         embed = _flat(_mesh_axes_for("embed", 0, mesh, D))
         batch = _flat(_mesh_axes_for("batch", 1, mesh, B))
+        context = _flat(_mesh_axes_for("length", 1, mesh, S))   # context parallelism
+        c = math.prod(mesh.shape[a] for a in context)
         seq = ("tensor",) if (self.sequence_parallel and vocab == ("tensor",)
-                              and S % mesh.shape["tensor"] == 0) else ()
-        if not vocab and not embed:
+                              and (S // c) % mesh.shape["tensor"] == 0) else ()
+        if not vocab and not embed and not context:
             return jnp.take(table_VD, tokens_BS, axis=0)
         trade = bool(embed) and embed == batch      # all-to-all rows for D, else gather D
         v_shard = V // math.prod(mesh.shape[a] for a in vocab)
@@ -351,7 +388,9 @@ class ShardedLookup:
 
         inner = {a for a in mesh.axis_names if a not in set(mesh.manual_axes)}
         spec = lambda axes: axes[0] if len(axes) == 1 else (axes or None)  # noqa: E731
+        # Each context rank looks up its own part of the sequence (split further over tensor
+        # under SP: tensor is minor to context).
         return jax.shard_map(
             per_shard, mesh=mesh, axis_names=inner,
-            in_specs=(P(spec(vocab), spec(embed)), P(spec(batch), None)),
-            out_specs=P(spec(batch), spec(seq), None))(table_VD, tokens_BS)
+            in_specs=(P(spec(vocab), spec(embed)), P(spec(batch), spec(context))),
+            out_specs=P(spec(batch), spec(context + seq), None))(table_VD, tokens_BS)

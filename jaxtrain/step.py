@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import attention as attention_lib
+from jaxtrain import context_attention
 from jaxtrain import fp8 as fp8_lib
 from jaxtrain import layer_order
 from jaxtrain import model as model_lib
@@ -86,7 +87,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
                                                 constrain_weights=constrain_weights)
     attention = sharding.shard_attention(
-        attention_lib.select(cfg.model, sharding.platform(mesh)), mesh)
+        attention_lib.select(cfg.model, sharding.platform(mesh)), mesh,
+        context_attention.plan_of(cfg.parallel))
     fp8 = fp8_layers(cfg)
     lookup = (sharding.ShardedLookup(mesh, cfg.parallel.sequence_parallel)
               if mesh is not None and mesh.size > 1 else None)
@@ -290,17 +292,25 @@ def per_replica(setup: Setup, fn):
     a shard_map with `data` manual (every other axis stays automatic), each output stacked on
     a new leading dim over `data`. The caller reduces that dim once, after everything the
     replicas accumulate: the one data-parallel reduction of the step (GSPMD alone all-reduces
-    each microbatch's gradients inside the loop).
+    each microbatch's gradients inside the loop). Under context parallelism `context` is
+    manual too: each (data, context) replica runs the model on its part of the sequence (the
+    attention moves K/V over `context` itself, sharding.ShardedAttention) and keeps its own
+    partial gradient sums, reduced with the data-parallel ones (Megatron's CP ranks are part
+    of the data-parallel group), not in every layer of every microbatch.
 
     Untyped (check_vma=False), as the executor reduces by itself: a gradient w.r.t. the
     replicated params is this replica's part, never psum'd by autodiff, and an opaque kernel
     (Pallas attention) needs no varying-axes types inside."""
     def body(params, meta, rows):
         return jax.tree.map(lambda a: a[None], fn(params, meta, rows))
-    if setup.mesh.shape["data"] == 1:
+    mesh = setup.mesh
+    manual = tuple(a for a in ("data", "context") if mesh.shape[a] > 1)
+    if not manual:
         return body
-    return jax.shard_map(body, mesh=setup.mesh, axis_names={"data"},
-                         in_specs=(P(), P(), P("data")), out_specs=P("data"), check_vma=False)
+    rows = P(*(a if mesh.shape[a] > 1 else None for a in ("data", "context")))
+    stacked = P(manual[0] if len(manual) == 1 else manual)
+    return jax.shard_map(body, mesh=mesh, axis_names=set(manual), in_specs=(P(), P(), rows),
+                         out_specs=stacked, check_vma=False)
 
 
 def compute_params(setup: Setup, params):

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxtrain import attention, sharding, step
+from jaxtrain import attention, context_attention, sharding, step
 from jaxtrain.config import ModelConfig
 from util import random_batch, tiny_config
 
@@ -131,6 +131,10 @@ def test_selection():
     assert isinstance(sharded, sharding.ShardedAttention) and sharded.kernel == interpreted
     # GSPMD partitions the XLA path; it needs no shard_map.
     assert _on_mesh(_model(attention="xla"), _mesh(tensor=2)) is attention.xla_attention
+    # Under context parallelism every core runs per shard with the context plan.
+    cp = _on_mesh(_model(attention="xla"), _mesh(context=2, tensor=2))
+    assert isinstance(cp, sharding.ShardedAttention) and cp.kernel is attention.xla_attention
+    assert cp.context == context_attention.ContextPlan("all_gather", True)
 
 
 @pytest.mark.parametrize("model, mesh, message", [
@@ -139,8 +143,6 @@ def test_selection():
     (dict(attention="cudnn", compute_dtype="bfloat16", head_dim=12), None, "multiple of 8"),
     (dict(attention="pallas", head_dim=512), None, "head_dim=512 is unsupported"),
     (dict(attention="pallas", num_kv_heads=3), None, "num_heads=4 is not divisible by"),
-    (dict(attention="pallas"), dict(context=2), "context parallelism"),
-    (dict(attention="xla"), dict(context=2, tensor=2), "set parallel.context=1"),
     (dict(attention="flash"), None, "choose one of"),
 ])
 def test_selection_errors(model, mesh, message):

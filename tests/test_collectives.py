@@ -51,8 +51,9 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 
 @functools.lru_cache(maxsize=None)
 def compiled_step(name: str):
-    """(cfg, setup, compiled train step, collectives) of one layout of test_parallel.py."""
-    cfg = tiny_config(*MODEL, *LAYOUTS[name])
+    """(cfg, setup, compiled train step, collectives) of one layout of test_parallel.py (or of
+    CP_LAYOUTS below)."""
+    cfg = tiny_config(*MODEL, *{**LAYOUTS, **CP_LAYOUTS}[name])
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
     batch_sh = step._shardings(setup)[1]
     batch = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len),
@@ -248,3 +249,46 @@ def test_tensor_parallel_without_sp_all_reduces():
     """The check above can fail: without SP the same activations are plainly all-reduced."""
     found, layers = _residual_stream_tp_collectives("tensor4_data2")
     assert found and all(kind == "all-reduce" and not sliced for kind, sliced, _ in found)
+
+
+# ----------------------------------------------------------------------------- context
+
+CP_LAYOUTS = {
+    "context2_all_gather_tensor2_data2_mb2": [
+        "--parallel.data=2", "--parallel.context=2", "--parallel.tensor=2",
+        "--parallel.microbatches=2"],
+    "context4_ring_data2_mb2": [
+        "--parallel.data=2", "--parallel.context=4", "--parallel.context_strategy=ring",
+        "--parallel.microbatches=2"],
+}
+
+
+@pytest.mark.parametrize("name", list(CP_LAYOUTS))
+def test_context_collectives_match_ledger(name):
+    """Over `context`: the attention's K/V gathers (and dK/dV reduce-scatters) or ring hops
+    (K/V in the compute dtype, dK/dV accumulators in fp32) are the ledger's cp bytes, wire
+    for wire; the int32 segment ids and positions that travel with K/V are small (the ledger
+    leaves them out); the gradients are reduced once, over data x context together, after the
+    microbatches (no per-layer reduction over context)."""
+    cfg, setup, _, colls = compiled_step(name)
+    layout = layout_from_config(cfg, setup.mesh.size)
+    passes = comm.layer_passes(layout, (cfg.model.num_layers,), None)
+    fwd, bwd = comm.cp_pass_bytes(cfg, layout, cfg.train.seq_len)
+    scale = WIDTH / LEDGER_WIDTH
+    want = ((fwd.kv * scale + fwd.fixed) * passes.forward
+            + (bwd.kv * scale + bwd.fixed) * passes.backward)
+    over_context = [c for c in colls if c.axes == ("context",)]
+    floats = [c for c in over_context if c.shape.startswith("f32")]
+    got = sum(c.wire_bytes_per_step for c in floats)
+    kinds = {c.kind for c in floats}
+    assert kinds == ({"collective-permute"} if cfg.parallel.context_strategy == "ring"
+                     else {"all-gather", "reduce-scatter"}), kinds
+    assert got == pytest.approx(want, rel=1e-6), (got, want)
+    ids = [c for c in over_context if c not in floats]
+    assert all(c.shape.startswith("s32") for c in ids)
+    assert sum(c.wire_bytes_per_step for c in ids) < 0.05 * got
+    reduced = [c for c in colls if c.axes == ("data", "context")]
+    assert reduced and all(not c.in_loop and c.count == 1 for c in reduced)
+    n_local = sum(local_elements(setup).values())
+    assert sum(c.bytes_per_step for c in reduced) == pytest.approx(
+        comm.dp_bytes(layout, n_local) * scale / 2, rel=TOLERANCE)

@@ -127,6 +127,22 @@ def change(changes, key):
     return found[0]
 
 
+def test_scaling_keeps_or_reduces_the_context_degree():
+    """The long-context recipe runs as is on 8 devices; on 4 its context degree stays (it
+    divides them and splits the sequence) and tensor, then data, shrink around it; on 2 it
+    drops to 2 with its reason."""
+    recipe = ROOT / "configs" / "llama3_8b_128k.py"
+    _, p, _, changes = scaled([], 8, base=recipe, n=8)
+    assert (p.context, p.tensor, changes) == (4, 2, [])
+    _, p, _, changes = scaled([], 8, base=recipe, n=4)
+    assert (p.context, p.tensor, p.data) == (4, 1, 1)
+    assert not any(c.startswith("parallel.context") for c in changes)
+    _, p, _, changes = scaled([], 8, base=recipe, n=2)
+    assert (p.context, p.tensor) == (2, 1)
+    assert change(changes, "parallel.context").startswith(
+        "parallel.context 4 -> 2 (the largest degree <= 4 that divides the 2 devices")
+
+
 def test_scaling_keeps_or_reduces_the_pipeline_with_reasons():
     # Kept: stage=2 divides 8 and splits 80 layers into 2 x 8 chunks; so do the schedule,
     # microbatches and the configured uneven first/last stages.

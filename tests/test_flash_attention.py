@@ -14,7 +14,7 @@ import pytest
 from jax.test_util import check_grads
 
 from jaxtrain.pallas_kernels import (FlashAttentionError, block_counts, flash_attention,
-                                     reference_attention)
+                                     flash_attention_backward, reference_attention)
 from jaxtrain.pallas_kernels.flash_attention import _kernel_block_counts
 
 
@@ -154,22 +154,30 @@ def test_reference_agrees_with_jax_nn_xla():
 
 
 @pytest.mark.parametrize(
-    "dtype, causal, use_segments, S, K, D",
-    [(jnp.bfloat16, True, True, 256, 2, 128), (jnp.float32, False, False, 200, 8, 80)],
+    "dtype, causal, use_segments, S, K, D, shard",
+    [(jnp.bfloat16, True, True, 256, 2, 128, False), (jnp.float32, False, False, 200, 8, 80, False),
+     (jnp.bfloat16, True, True, 256, 2, 128, True)],  # a context shard: positions, Sq != Sk
 )
-def test_lowers_to_triton_for_gpu(dtype, causal, use_segments, S, K, D):
+def test_lowers_to_triton_for_gpu(dtype, causal, use_segments, S, K, D, shard):
   # Cross-lowering for CUDA on a CPU host runs the Pallas->Triton lowering rules on the kernels
   # (forward, dK/dV, dQ), catching ops the Triton backend lacks. PTX codegen still needs a GPU.
   from jax import export
 
   B, H = 1, 8
-  q = jax.ShapeDtypeStruct((B, S, H, D), dtype)
+  Sq = S // 2 if shard else S
+  q = jax.ShapeDtypeStruct((B, Sq, H, D), dtype)
   kv = jax.ShapeDtypeStruct((B, S, K, D), dtype)
   seg = jax.ShapeDtypeStruct((B, S), jnp.int32)
 
   def step(q, k, v, seg):
-    attn = lambda q, k, v: flash_attention(q, k, v, seg if use_segments else None,
-                                           causal=causal, interpret=False)
+    ids = seg if use_segments else None
+    extra = {}
+    if shard:
+      ids = (seg[:, :Sq], seg)
+      extra = dict(positions=(jnp.arange(Sq, 2 * Sq, dtype=jnp.int32),
+                              jnp.arange(S, dtype=jnp.int32)))
+    attn = lambda q, k, v: flash_attention(q, k, v, ids, causal=causal, interpret=False,
+                                           **extra)
     out, vjp = jax.vjp(attn, q, k, v)
     return out, vjp(out)
 
@@ -193,7 +201,15 @@ def _arr(*shape, dtype=np.float32):
          "num_heads=6 must be a multiple of num_kv_heads=4"),
         ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 1, 16)), {},
          "k and v must have the same shape"),
-        ((_arr(1, 32, 4, 16), _arr(1, 16, 2, 16), _arr(1, 16, 2, 16)), {}, "sequence mismatch"),
+        # q and kv lengths may differ (a context shard against gathered keys), but one
+        # segment-id array cannot describe both.
+        ((_arr(1, 32, 4, 16), _arr(1, 16, 2, 16), _arr(1, 16, 2, 16),
+          _arr(1, 32, dtype=np.int32)), {}, "sequence mismatch.*pass \\(q_segment_ids"),
+        ((_arr(1, 32, 4, 16), _arr(1, 16, 2, 16), _arr(1, 16, 2, 16)),
+         {"positions": (_arr(32, dtype=np.int32), _arr(32, dtype=np.int32))},
+         r"kv_positions must be an integer array of shape \[seq\] = \(16,\)"),
+        ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 2, 16)),
+         {"positions": (_arr(32, dtype=np.int32),)}, "positions must be a pair"),
         ((_arr(2, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 2, 16)), {}, "batch mismatch"),
         ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 32), _arr(1, 32, 2, 32)), {}, "head_dim mismatch"),
         ((_arr(1, 32, 4, 512), _arr(1, 32, 2, 512), _arr(1, 32, 2, 512)), {},
@@ -396,3 +412,66 @@ def test_packed_documents_never_read_other_documents_blocks():
   # Without skipping the masked tiles are computed, and 0 * NaN reaches the outputs.
   out, _, _, _ = run(False, q, k, v.at[:, :32].set(jnp.nan))
   assert not finite(out[:, 32:])
+
+
+# ----------------------------------------------------------------------------- context shards
+
+
+def _zigzag(S, c):
+  """The load-balanced order of context parallelism: rank r holds chunks r and 2c-1-r."""
+  chunks = np.arange(S).reshape(2 * c, S // (2 * c))
+  return np.concatenate([np.concatenate([chunks[r], chunks[2 * c - 1 - r]]) for r in range(c)])
+
+
+def test_a_context_shard_against_gathered_keys_matches_the_reference():
+  """Queries of one load-balanced shard (rank 1 of 2: chunks 1 and 2 of 4) against every key in
+  the shards' order, with packed documents: causal masking by global position, Sq != Sk, the
+  LSE and its gradient, and tiles skipped by position ranges (the kernels' own counters: fewer
+  than without skipping, and the same results)."""
+  B, S, H, K, D = 2, 64, 4, 2, 16
+  order = _zigzag(S, 2)
+  q, _, _, do = _inputs(12, B, S // 2, H, K, D)
+  _, k, v, _ = _inputs(13, B, S, H, K, D)
+  docs = np.asarray(_packed_segments(B, S, seed=3))
+  segs = (jnp.asarray(docs[:, order[S // 2:]]), jnp.asarray(docs[:, order]))
+  pos = (jnp.asarray(order[S // 2:], jnp.int32), jnp.asarray(order, jnp.int32))
+  blocks = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+  dlse = jnp.asarray(np.random.default_rng(4).standard_normal((B, H, S // 2)), jnp.float32)
+
+  def run(attn):
+    (out, lse), vjp = jax.vjp(attn, q, k, v)
+    return [np.asarray(x) for x in (out, lse, *vjp((do, dlse)))]
+
+  flash = lambda skip: run(lambda q, k, v: flash_attention(
+      q, k, v, segs, positions=pos, return_lse=True, skip_empty_blocks=skip, **blocks))
+  got, dense = flash(True), flash(False)
+  want = run(lambda q, k, v: reference_attention(q, k, v, segs, positions=pos, return_lse=True))
+  for a, b, c in zip(got, dense, want):
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, c, atol=2e-5, rtol=1e-5)
+  skipped = _kernel_block_counts(q, k, v, segs, blocks=(16,) * 4, positions=pos)
+  unskipped = _kernel_block_counts(q, k, v, segs, blocks=(16,) * 4, positions=pos,
+                                   skip_empty_blocks=False)
+  assert all(a < b for a, b in zip(skipped, unskipped)), (skipped, unskipped)
+  # flash_attention_backward: the gradients of a block from the whole attention's out and LSE.
+  out, lse = flash_attention(q, k, v, segs, positions=pos, return_lse=True, **blocks)
+  _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, segs, positions=pos, **blocks),
+                   q, k, v)
+  for a, b in zip(flash_attention_backward(q, k, v, segs, pos, out, lse, do, **blocks), vjp(do)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_ring_step_that_sees_no_key_is_finite():
+  """A ring step's kv block entirely after the queries: every row masked, output 0, LSE -inf,
+  gradients 0 and finite (the merge and the backward rely on it)."""
+  B, S, H, K, D = 1, 32, 2, 1, 16
+  q, k, v, do = _inputs(14, B, S, H, K, D)
+  pos = (jnp.arange(S, dtype=jnp.int32), jnp.arange(S, 2 * S, dtype=jnp.int32))
+  attn = lambda q, k, v: flash_attention(q, k, v, positions=pos, return_lse=True, block_q=16,
+                                         block_k=16, block_q_bwd=16, block_k_bwd=16)
+  (out, lse), vjp = jax.vjp(attn, q, k, v)
+  grads = vjp((do, jnp.ones_like(lse)))
+  np.testing.assert_array_equal(out, 0.0)
+  assert np.all(np.asarray(lse) == -np.inf)
+  for g in grads:
+    np.testing.assert_array_equal(g, 0.0)

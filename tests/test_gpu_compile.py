@@ -17,7 +17,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxtrain import fp8, gpu_program, hlo, hlo_module, pipeline_flops, sharding
 from jaxtrain.compile_step import compile_step
 from jaxtrain.config import load_config
-from jaxtrain.ledger import estimate, layout_from_config
+from jaxtrain.ledger import comm, estimate, layout_from_config
 from jaxtrain.ledger.memory import workspace_bytes
 from jaxtrain.pallas_kernels import flash_attention
 from util import tiny_config
@@ -168,6 +168,7 @@ RECIPES = {
     # the recipe's per-device shapes (micro-batch 1, 8 microbatches) on 128 devices: data 8
     "llama70b_pipelined": ("configs/llama70b.py", 128, ["--train.global_batch=64"]),
     "llama3_8b": ("configs/llama3_8b.py", 8, []),
+    "llama3_8b_128k": ("configs/llama3_8b_128k.py", 8, []),   # context 4, ring, full remat
 }
 
 
@@ -258,3 +259,75 @@ def test_1f1b_compiled_memory_does_not_grow_with_microbatches(h100):
     growth = {k: (mem[k, 32] - mem[k, 8]) / 24 for k in ("1f1b", "gpipe")}
     assert growth["1f1b"] < 0.05 * growth["gpipe"], (mem, growth)
     assert mem["1f1b", 32] < 1.02 * mem["1f1b", 8], mem
+
+
+# ----------------------------------------------------------------------------- context
+
+def _float_share(shape: str) -> float:
+    """The floating-point part of a collective's (tuple) shape: K/V and their gradients, not
+    the int32 segment ids and positions the combiner packs in with them."""
+    arrays = re.findall(r"\b[a-z]+\d*\[[\d,]*\]", shape)
+    total = sum(hlo_module.shape_bytes(a) for a in arrays)
+    return sum(hlo_module.shape_bytes(a) for a in arrays if not a.startswith(("s32", "u32"))) / total
+
+
+CP = ("--model.attention=pallas", "--parallel.data=2", "--parallel.context=4",
+      "--parallel.microbatches=2", "--train.seq_len=128", "--model.max_seq_len=128")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_context_collectives_match_the_ledger_and_the_ring_hides_every_hop(h100, strategy,
+                                                                           remat):
+    """Over `context`, the K/V (and dK/dV) bytes of the GPU program are the ledger's, with full
+    recompute too (whose re-run forward shares its first hop, or its whole gather, with the
+    backward); the ring's permutes are async start/done pairs with a Pallas attention block
+    scheduled between every start and its done, in the forward and the backward loop."""
+    remat_args = ["--remat.granularity=full", "--remat.num_layers=1"] if remat == "full" else []
+    cfg = tiny_config(*BF16, *CP, f"--parallel.context_strategy={strategy}", *remat_args)
+    out = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8)))
+    acs = [a for a in gpu_program.async_collectives(out.text, out.mesh)
+           if a.collective.axes == ("context",)]
+    layout = layout_from_config(cfg, 8)
+    passes = comm.layer_passes(layout, (cfg.model.num_layers,), None, float(remat == "full"))
+    base = comm.layer_passes(layout, (cfg.model.num_layers,), None)
+    want = comm.cp_bytes(cfg, layout, cfg.train.seq_len, passes, passes.forward - base.forward)
+    got = sum(a.collective.wire_bytes_per_step * _float_share(a.collective.shape) for a in acs)
+    assert got == pytest.approx(want, rel=1e-6)
+    if strategy == "ring":
+        hops = [a for a in acs if a.collective.in_loop and _float_share(a.collective.shape) > 0]
+        assert hops and {a.collective.kind for a in hops} == {"collective-permute"}
+        assert all(a.is_async and a.overlapped for a in hops), [
+            (a.collective.op, a.overlapped) for a in hops]
+
+
+def test_activation_memory_falls_with_the_context_degree(h100):
+    """Llama 3 8B at 64K tokens (tensor 2 + SP) on 8 H100s: the compiled memory one more layer
+    costs (4 layers minus 2, halved; the logits and head cancel) less the ledger's per-layer
+    state is the ledger's per-layer activations, which context parallelism divides by c."""
+    per_layer = {}
+    for c in (1, 2, 4):
+        compiled, ledger = {}, {}
+        for layers in (2, 4):
+            cfg = load_config("configs/llama3_8b.py", [
+                f"--model.num_layers={layers}", "--train.seq_len=65536",
+                "--model.max_seq_len=65536", f"--parallel.context={c}",
+                f"--parallel.data={4 // c}", "--parallel.microbatches=2",
+                f"--train.global_batch={2 * (4 // c)}", "--parallel.context_strategy=ring"])
+            out = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8)))
+            compiled[layers] = hlo.memory(out.compiled)["total_bytes"]
+            ledger[layers] = estimate(cfg, layout_from_config(cfg, 8), "h100")
+        layer_state = (ledger[4].static_bytes - ledger[2].static_bytes) / 2
+        per_layer[c] = (compiled[4] - compiled[2]) / 2 - layer_state
+        assert per_layer[c] == pytest.approx(ledger[4].activation_bytes_per_layer, rel=0.05)
+    assert per_layer[1] / per_layer[2] == pytest.approx(2, rel=0.05)
+    assert per_layer[1] / per_layer[4] == pytest.approx(4, rel=0.05)
+
+
+def test_cudnn_runs_the_all_gather_strategy(h100):
+    """cuDNN's fused attention (forward and backward) attends a context shard's queries to
+    the gathered keys under an explicit causal/document mask."""
+    cfg = tiny_config(*BF16, *CP, "--model.attention=cudnn")
+    text = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8))).text
+    assert len(CUDNN_TARGET.findall(text)) == 2
+    assert not gpu_program.pallas_kernel_names(text)

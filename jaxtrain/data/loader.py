@@ -7,7 +7,9 @@ sequence, `batch` groups consecutive sequences into global batches of window ind
 each process packs only its contiguous slice of rows, in grain's reader threads ahead of the
 step. So the k-th sequence of a run is the same whatever the process count or mesh, and the
 iterator's state is one number, the sequences consumed: it restores the exact next batch on
-any layout, and under another train.global_batch that divides it.
+any layout, and under another train.global_batch that divides it. Under context parallelism
+with causal load balancing every batch (synthetic ones too) comes in the reordered sequence
+order of data/context.py; the iterator's state does not depend on it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 from jaxtrain.config import parse_mixture
 from jaxtrain.data import documents as documents_lib
 from jaxtrain.data import mixture
+from jaxtrain.data.context import load_balance_degree, reorder_batch
 from jaxtrain.data.documents import Documents, split_mask
 from jaxtrain.data.errors import DataError
 from jaxtrain.data.packing import PackedStream
@@ -98,10 +101,11 @@ class BatchIterator:
 
     def __init__(self, streams: Sequence[PackedStream], shares: Sequence[int], *, split: str,
                  seed: int, global_batch: int, process_index: int, process_count: int,
-                 read_threads: int = 2, prefetch: int = 2):
+                 read_threads: int = 2, prefetch: int = 2, context: int = 1):
         import grain  # heavy import, only when batches are made
         self.streams, self.split, self.global_batch = list(streams), split, global_batch
         self.local_batch = global_batch // process_count
+        self.context = context  # the load-balanced reorder's degree (1: natural order)
         self._identity = {"version": _STATE_VERSION, "split": split, "seed": seed,
                           "seq_len": self.streams[0].seq_len,
                           "components": [{"windows": s.num_windows, "share": int(p)}
@@ -122,6 +126,10 @@ class BatchIterator:
         self._it = None  # built at the first batch, from the position
 
     def _pack_rows(self, batch) -> dict[str, np.ndarray]:
+        # Packed (labels shifted) first, then reordered for context parallelism.
+        return reorder_batch(self._packed_rows(batch), self.context)
+
+    def _packed_rows(self, batch) -> dict[str, np.ndarray]:
         component_L, window_L = (np.asarray(x)[self._rows] for x in batch)
         if len(self.streams) == 1:
             return self.streams[0].pack(window_L)
@@ -199,13 +207,14 @@ def make_batches(cfg, split: str = "train", process_index: int = 0,
     seed = cfg.train.seed if split == "train" else _EVAL_SEED
     return BatchIterator([s for _, s in parts], mixture.shares([w for w, _ in parts]),
                          split=split, seed=seed, global_batch=G, process_index=process_index,
-                         process_count=process_count)
+                         process_count=process_count, context=load_balance_degree(cfg))
 
 
 def synthetic_batch(cfg, seed: int = 0, docs_per_row: int = 2) -> dict:
     """A host batch [global_batch, seq_len] of random tokens, `docs_per_row` packed documents
     per row (segment ids, per-document positions, the loss masked at each document's end):
-    for tests, sweeps and benchmarks that need the real batch format without a corpus."""
+    for tests, sweeps and benchmarks that need the real batch format without a corpus. In the
+    load-balanced order of context parallelism when the config asks for it, as make_batches."""
     rng = np.random.default_rng(seed)
     b, s = cfg.train.global_batch, cfg.train.seq_len
     tokens = rng.integers(0, min(256, cfg.model.vocab_size), (b, s + 1)).astype(np.int32)
@@ -216,5 +225,7 @@ def synthetic_batch(cfg, seed: int = 0, docs_per_row: int = 2) -> dict:
     loss_mask = np.ones(s, np.float32)
     loss_mask[[cut * k - 1 for k in range(1, docs_per_row)]] = 0.0
     tile = lambda x: np.tile(x, (b, 1))  # noqa: E731
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": tile(segment_ids),
-            "positions": tile(positions), "loss_mask": tile(loss_mask)}
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "segment_ids": tile(segment_ids), "positions": tile(positions),
+             "loss_mask": tile(loss_mask)}
+    return reorder_batch(batch, load_balance_degree(cfg))

@@ -25,9 +25,15 @@ Conventions (DESIGN.md §5), N_local = parameters one device holds after TP and 
   stage once per step: ring 2·(p-1)/p·(2 tables + h)·4 bytes (one table's when tied: its
   two copies' gradients are summed in that one all-reduce), of the ZeRO-1 shard (/data):
   XLA reduce-scatters over data first (the GPU compiler's program).
-- CP (ring attention, not in DESIGN.md's list): K and V chunks pass c-1 hops forward, and K, V
-  plus their gradients backward: (c-1)·2·(s/c)·b·(K·E/t)·2 bytes per forward layer pass and
-  twice that per backward one.
+- CP (context_attention.py), per layer pass, with a shard's K/V = 2·(s/c)·b·(K·E/t)·2 bytes
+  (KV heads only; K·E/t is one head when KV heads are fewer than t): all_gather receives the
+  other c-1 shards in a forward pass; a backward one gathers them again and reduce-scatters
+  dK, dV (compute dtype). ring sends c-1 K/V hops in a forward pass; a backward one c-1 K/V
+  hops, c-1 hops of the fp32 dK/dV accumulators and the one that brings them home, finished,
+  in the compute dtype. The int32
+  segment ids and positions that travel with K/V (4 bytes a token against 4·K·E/t) are left
+  out. The ring's hops overlap the blocks' attention (estimate.py times each hop against its
+  block).
 Sequence lengths are per context rank (s/c). Volumes are in bytes; seconds use nominal links:
 an axis whose devices sit in one node (device order tensor, context, fsdp, data, stage; tensor
 fastest) uses NVLink, otherwise the node's NIC.
@@ -129,15 +135,59 @@ def vocab_bytes(cfg: Config, layout: Layout) -> float:
     return 2.0 * (p - 1) / p * (tables * table + m.hidden_size) * 4 / shard
 
 
-def cp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes) -> float:
+class CpPass(NamedTuple):
+    """CP bytes of one layer pass per device: `kv` in the compute dtype (counted as bf16, the
+    convention above), `fixed` always 4 bytes an element (the ring's fp32 dK/dV)."""
+    kv: float = 0.0
+    fixed: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.kv + self.fixed
+
+
+class CpHops(NamedTuple):
+    """The ring's hops of one layer pass (what all_gather moves is the same shards)."""
+    forward: int         # K/V hops of a forward pass
+    backward_kv: int     # K/V hops of a backward pass (+1 K/V-sized: dK/dV going home)
+    backward_grads: int  # fp32 dK/dV accumulator hops of a backward pass
+    kv: float            # one shard's K and V (bf16 convention)
+    grads: float         # one shard's fp32 dK, dV
+
+
+def cp_hops(cfg: Config, layout: Layout, seq_len: int) -> CpHops:
     c = layout.context
-    if c == 1:
-        return 0.0
     m = cfg.model
     kv_shards = layout.tensor if m.num_kv_heads % layout.tensor == 0 else m.num_kv_heads
     kv_width = m.num_kv_heads * m.resolved_head_dim / kv_shards
-    per_pass = (c - 1) * 2 * (seq_len / c) * layout.micro_batch * kv_width * 2
-    return per_pass * (passes.forward + 2 * passes.backward)
+    tokens = seq_len / c * layout.micro_batch
+    return CpHops(c - 1, c - 1, c - 1, 2 * tokens * kv_width * 2, 2 * tokens * kv_width * 4)
+
+
+def cp_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> tuple[CpPass, CpPass]:
+    """(forward, backward) CP bytes of one layer pass per device (module docstring)."""
+    c = layout.context
+    if c == 1:
+        return CpPass(), CpPass()
+    h = cp_hops(cfg, layout, seq_len)
+    if cfg.parallel.context_strategy == "ring":
+        return (CpPass(h.forward * h.kv),
+                CpPass((h.backward_kv + 1) * h.kv, h.backward_grads * h.grads))
+    return CpPass((c - 1) * h.kv), CpPass(2 * (c - 1) * h.kv)   # gather again + reduce-scatter
+
+
+def cp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes,
+             recomputed: float = 0.0) -> float:
+    """CP bytes per device per step; `recomputed`: the forward passes full recompute re-runs
+    (part of passes.forward), whose K/V transfers the backward pass next to them reuses (the
+    GPU compiler merges the identical ones: all_gather's whole gather, the ring's first hop;
+    XLA:CPU merges every ring hop)."""
+    fwd, bwd = cp_pass_bytes(cfg, layout, seq_len)
+    shared = 0.0
+    if layout.context > 1:
+        h = cp_hops(cfg, layout, seq_len)
+        shared = h.kv if cfg.parallel.context_strategy == "ring" else (layout.context - 1) * h.kv
+    return fwd.total * passes.forward + bwd.total * passes.backward - shared * recomputed
 
 
 def axis_in_node(layout: Layout, axis: str, gpu: Gpu) -> bool:

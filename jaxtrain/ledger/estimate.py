@@ -17,7 +17,12 @@ optimistic ones give the high MFU):
   nodes), times an exposed fraction: TP 0.3–1.0 (on the critical path; overlap is partial),
   DP 0.1–0.5 (overlaps the backward pass and the next forward), FSDP 0.2–0.6, PP 0.3–1.0,
   vocab 0.5–1.0 (the executor reduces them after its loop; timed in the PP loss, same axis),
-  CP 0.2–0.8 (overlaps the ring's attention blocks).
+  CP all_gather 0.5–1.0 (the gather precedes the attention that needs it). The ring's CP is
+  timed hop by hop instead: a hop is exposed by what its transfer takes beyond the attention
+  block it overlaps (at the optimistic and the pessimistic kernel rate, the block's time
+  counted whole or half), the last dK/dV hop of a backward pass whole.
+- context imbalance: without causal load balancing the busiest context rank's attention is
+  (2c-1)/c of the average (flops.context_attention_imbalance), the excess timed as compute.
 - overhead: 50–150 µs per layer-microbatch (launch gaps, small kernels, host sync) and
   20–100 µs latency per pipeline send (2 per table step).
 MFU = ideal step / expected step, ideal = model FLOPs / (devices × peak of the compute dtype),
@@ -49,7 +54,8 @@ class Assumptions:
     """Exposed fraction of each kind of communication and fixed overheads: (optimistic,
     pessimistic)."""
     exposed: tuple = (("tp", (0.3, 1.0)), ("dp", (0.1, 0.5)), ("fsdp", (0.2, 0.6)),
-                      ("pp", (0.3, 1.0)), ("vocab", (0.5, 1.0)), ("cp", (0.2, 0.8)))
+                      ("pp", (0.3, 1.0)), ("vocab", (0.5, 1.0)), ("cp", (0.5, 1.0)))
+    ring_overlap: tuple = (1.0, 0.5)   # the share of a ring block's attention a hop hides in
     layer_overhead_s: tuple = (50e-6, 150e-6)
     p2p_latency_s: tuple = (20e-6, 100e-6)
 
@@ -216,7 +222,9 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
                + comm.fsdp_rest_bytes(cfg, L, seq),
                "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
-               "vocab": comm.vocab_bytes(cfg, L), "cp": comm.cp_bytes(cfg, L, seq, passes)}
+               "vocab": comm.vocab_bytes(cfg, L),
+               "cp": comm.cp_bytes(cfg, L, seq, passes, passes.forward - comm.layer_passes(
+                   L, stage_layers, ex).forward)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
     seconds = {k: volumes[k] / links[k][1] for k in COMM_KINDS}
 
@@ -234,6 +242,11 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     run_model, run_hfu = (f_model, f_hfu) if flash else (f_model_full, f_hfu_full)
     rest_flops_step = run_model * tokens - fp8_flops_step
     recompute_step = (run_hfu - run_model) * tokens
+    # The busiest context rank's extra attention (no causal load balancing), in compute.
+    imbalance = flops.context_attention_imbalance(L.context, cfg.parallel.context_load_balance,
+                                                  flash)
+    rest_flops_step += ((imbalance - 1.0) * tokens
+                        * flops.attention_flops_per_token(m, seq, causal=flash))
     bubble = comm.bubble_fraction(L.stage, L.microbatches, L.virtual_stages)
     lockstep = 0.0
     if ex is not None:
@@ -254,7 +267,11 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
         for k in COMM_KINDS:
             # the vocab all-reduce rides the stage axis: one loss with the PP sends
             key = f"{_LOSS_OF.get(k, k)}_comm"
-            parts[key] = parts.get(key, 0.0) + seconds[k] * exposed[k][i]
+            shown = seconds[k] * exposed[k][i]
+            if k == "cp" and L.context > 1 and cfg.parallel.context_strategy == "ring":
+                shown = _ring_exposed(cfg, L, seq, passes, links["cp"][1],
+                                      peak * eff, assumptions.ring_overlap[i], flash)
+            parts[key] = parts.get(key, 0.0) + shown
         overhead = layers_max * L.microbatches * assumptions.layer_overhead_s[i]
         if ex is not None:
             overhead += ex.sends * assumptions.p2p_latency_s[i]
@@ -289,6 +306,20 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
         chunk_input_bytes=pipeline.chunk_input_bytes(cfg, L, seq) if ex else 0.0,
         model_flops_per_step_full_attn=f_model_full * tokens,
         hfu_flops_per_step_full_attn=f_hfu_full * tokens)
+
+
+def _ring_exposed(cfg: Config, layout: Layout, seq: int, passes: comm.Passes, bandwidth: float,
+                  rate: float, overlap: float, flash: bool) -> float:
+    """Seconds per step the ring's hops add beyond the attention blocks they overlap."""
+    h = comm.cp_hops(cfg, layout, seq)
+    block_s = flops.context_block_flops(cfg.model, seq, layout.context, layout.micro_batch,
+                                        layout.tensor, flash=flash) / rate
+    kv_s, grads_s = h.kv / bandwidth, h.grads / bandwidth
+    forward = h.forward * max(0.0, kv_s - overlap * block_s)
+    # a backward step carries the next K/V and the previous dK/dV while its block runs (2x
+    # the forward's work); the last dK/dV hop (home, compute dtype) has no block left.
+    backward = (h.backward_kv * max(0.0, kv_s + grads_s - overlap * 2 * block_s) + kv_s)
+    return passes.forward * forward + passes.backward * backward
 
 
 _HINTS = {"static": "more tensor/stage parallelism, ZeRO-1 or FSDP",

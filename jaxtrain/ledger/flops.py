@@ -101,6 +101,26 @@ def layer_forward_flops_per_token(model: ModelConfig, seq_len: int, *,
             * seq_len * _attention_fraction(causal))
 
 
+def context_attention_imbalance(context: int, load_balanced: bool, flash: bool) -> float:
+    """The busiest context rank's causal attention work over the average rank's: 1 when the
+    sequence is load-balanced (rank r holds chunks r and 2c-1-r: 1/c each) or the core skips no
+    masked tile (XLA computes every square), else (2c-1)/c (contiguous shards: the last rank's
+    queries see (2c-1)/c² of the scores, and it sets the pace)."""
+    if context == 1 or load_balanced or not flash:
+        return 1.0
+    return (2 * context - 1) / context
+
+
+def context_block_flops(model: ModelConfig, seq_len: int, context: int, micro_batch: int,
+                        tensor: int, *, flash: bool) -> float:
+    """Forward FLOPs of one ring step per device: a shard's queries against one shard of keys,
+    4·(H/t)·E·b·(s/c)² (QK^T and PV), half of it with a flash kernel (load-balanced, every step
+    has half its tiles masked, the local causal one too)."""
+    s = seq_len / context
+    return (4.0 * model.num_heads / tensor * model.resolved_head_dim * micro_batch * s * s
+            * _attention_fraction(flash))
+
+
 def recomputed_layers(remat: RematConfig, stage_layers: tuple[int, ...],
                       virtual_stages: int = 1) -> int:
     """Layers that full recompute re-runs: all for "uniform"; for "block" the first

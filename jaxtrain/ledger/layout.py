@@ -126,6 +126,12 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
         raise LayoutError(f"model.mlp_size={m.mlp_size} is not divisible by tensor={t}")
     if seq_len % L.context:
         raise LayoutError(f"seq_len={seq_len} is not divisible by context={L.context}")
+    if L.context > 1 and cfg.parallel.context_load_balance and (
+            L.context % 2 or seq_len % (2 * L.context)):
+        raise LayoutError(
+            f"context={L.context} with causal load balancing needs an even degree and seq_len="
+            f"{seq_len} divisible by 2 x context = {2 * L.context}; change them or set "
+            "parallel.context_load_balance=false")
     if L.sequence_parallel and (seq_len // L.context) % t:
         raise LayoutError(f"seq_len/context={seq_len // L.context} is not divisible by tensor={t}"
                           " (sequence parallelism splits the sequence over the tensor axis)")

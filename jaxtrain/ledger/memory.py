@@ -9,7 +9,9 @@ Conventions (DESIGN.md §5):
   for Llama 70B with flash attention and SP, 33·s·b·h/t bytes, next to Korthikanti et al.'s
   34·s·b·h/t for a GPT layer); XLA attention adds Korthikanti's 5·a·s/h score term.
   Full recompute keeps the layer input, 2·s·b·h/t, and re-materialises one recompute group at
-  a time. Context parallelism divides s (its scores are (s/c)×s). float32 compute doubles it.
+  a time. Context parallelism divides s, and its attention keeps no scores whatever the core
+  (context_attention.py: q, k, v of the shard, the output and the LSE); cuDNN's all-gather
+  also keeps the gathered K/V. float32 compute doubles it.
 - In flight. Without pipeline stages, gradient accumulation runs one microbatch at a time:
   L layer-microbatches. With stages, the executor (ledger.pipeline) stashes each F's chunk
   residuals for its microbatch, as the remat config stores them, until the B: the busiest
@@ -146,17 +148,22 @@ def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *, flash: 
       (silu is recomputed from gate);
     - without a flash kernel (XLA attention, the CPU path) the s×s scores, Korthikanti's 5
       bytes per score per head x1.2, calibrated on XLA:CPU, unless selective remat
-      recomputes them (`recompute_scores`).
+      recomputes them (`recompute_scores`);
+    - under context parallelism (c > 1) no scores but the LSE, whatever the core; with cuDNN
+      (all_gather) the other c-1 shards' K and V too (jax's cuDNN backward keeps its inputs).
 
     2 bytes per element in bf16/fp16, 4 in float32.
     """
-    m, t = cfg.model, layout.tensor
-    s_local = seq_len / layout.context
+    m, t, c = cfg.model, layout.tensor, layout.context
+    s_local = seq_len / c
     sb = s_local * layout.micro_batch
     stream = 4 * 2 * sb * m.hidden_size / (t if layout.sequence_parallel else 1)
     kv_shards = t if m.num_kv_heads % t == 0 else 1
-    attention = (2 * 2 * sb * m.num_heads * m.resolved_head_dim / t
-                 + 2 * 2 * sb * m.num_kv_heads * m.resolved_head_dim / kv_shards)
+    kv = 2 * 2 * sb * m.num_kv_heads * m.resolved_head_dim / kv_shards
+    attention = 2 * 2 * sb * m.num_heads * m.resolved_head_dim / t + kv
+    if c > 1 and m.attention == "cudnn":
+        attention += (c - 1) * kv
+    flash = flash or c > 1
     lse = 4 * sb * m.num_heads / t if flash else 0.0  # fp32 whatever the dtype
     mlp = 3 * 2 * sb * m.mlp_size / t
     scores = 0.0 if flash or recompute_scores else (
@@ -269,11 +276,18 @@ def workspace_bytes(cfg: Config) -> float:
 
 
 def reserve_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
-    """Logits and workspace: two fp32 copies of s·b·V/t (the logits and their gradient; the
-    softmax fuses into them: the GPU compiler's buffer assignment) plus a workspace for
-    cuBLAS/NCCL that scales with the hidden size (6 GiB at h=8192), which a compiled step's
-    static buffers never contain."""
+    """Logits and workspace: one compute-dtype copy of the s·b·V/t logits (the head GEMM
+    writes the compute dtype; the fp32 softmax and its gradient fuse into it) and an fp32
+    s·b·h (the GPU compiler's buffer assignment of Llama 3 8B at 8K and 64K tokens, within
+    1-8%: tests/test_gpu_compile.py), plus a workspace for cuBLAS/NCCL that scales with the
+    hidden size (6 GiB at h=8192), which a compiled step's static buffers never contain.
+    Per context rank: s/c tokens."""
     m = cfg.model
-    logits = 2 * 4.0 * (seq_len / layout.context) * layout.micro_batch \
-        * padded_vocab(m.vocab_size, layout.tensor) / layout.tensor
+    tokens = seq_len / layout.context * layout.micro_batch
+    logits = tokens * (_compute_bytes(cfg) * padded_vocab(m.vocab_size, layout.tensor)
+                       / layout.tensor + 4 * m.hidden_size)
     return logits + workspace_bytes(cfg)
+
+
+def _compute_bytes(cfg: Config) -> int:
+    return 4 if cfg.model.compute_dtype == "float32" else 2

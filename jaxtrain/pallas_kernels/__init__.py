@@ -3,7 +3,9 @@ from jaxtrain.pallas_kernels.flash_attention import (
     FlashAttentionError,
     block_counts,
     flash_attention,
+    flash_attention_backward,
     reference_attention,
 )
 
-__all__ = ["FlashAttentionError", "block_counts", "flash_attention", "reference_attention"]
+__all__ = ["FlashAttentionError", "block_counts", "flash_attention", "flash_attention_backward",
+           "reference_attention"]

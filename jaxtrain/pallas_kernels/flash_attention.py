@@ -6,6 +6,10 @@ softmax and saves only the output and the log-sum-exp (fp32, base 2); the backwa
 probabilities block by block in two kernels, one for dK/dV and one for dQ. Causal masking skips
 the tiles above the diagonal; with segment ids every kernel also skips the tiles whose q and kv
 blocks share no document (block_map.py), so packed short documents cost what they compute.
+For context parallelism the kernels also take the global positions of a shard's queries and
+keys (causal masking by position, tiles skipped by position ranges), queries and keys of
+different lengths, and return the log-sum-exp; `flash_attention_backward` gives one block's
+share of the gradients from the whole attention's output and LSE (a ring step's backward).
 
 On CPU the same kernels run in Pallas interpret mode, which is how the tests check them.
 """
@@ -33,6 +37,7 @@ __all__ = [
     "FlashAttentionError",
     "block_counts",
     "flash_attention",
+    "flash_attention_backward",
     "reference_attention",
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
@@ -43,6 +48,7 @@ MAX_HEAD_DIM = 256
 # Triton's tl.dot needs every tile dimension to be a power of two and at least 16.
 _MIN_TILE = 16
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 # Finite stand-in for -inf on masked logits: exp2(_MASKED - m) underflows to 0 without ever
 # forming inf - inf, and it stays representable in fp32.
 _MASKED = -1e30
@@ -77,7 +83,8 @@ def _split_segments(segment_ids: SegmentIds):
 
 
 def reference_attention(q, k, v, segment_ids: SegmentIds = None, causal: bool = True,
-                        sm_scale: Optional[float] = None):
+                        sm_scale: Optional[float] = None, *, positions=None,
+                        return_lse: bool = False):
   """Plain attention with repeated KV heads and an fp32 softmax; same contract as flash_attention.
 
   Rows with no visible key (possible with separate q/kv segment ids) produce zeros.
@@ -95,7 +102,10 @@ def reference_attention(q, k, v, segment_ids: SegmentIds = None, causal: bool = 
                       preferred_element_type=jnp.float32) * sm_scale
   T = k.shape[1]
   mask_BST = jnp.ones((B, S, T), dtype=bool)
-  if causal:
+  if causal and positions is not None:
+    q_pos, kv_pos = positions
+    mask_BST &= (kv_pos[None, :] <= q_pos[:, None])[None]
+  elif causal:
     mask_BST &= jnp.tril(jnp.ones((S, T), dtype=bool))[None]
   q_seg, kv_seg = _split_segments(segment_ids)
   if q_seg is not None:
@@ -107,7 +117,11 @@ def reference_attention(q, k, v, segment_ids: SegmentIds = None, causal: bool = 
   # A fully masked row softmaxes to uniform weights over masked keys; zero its output instead.
   # (Zeroing p before the einsum instead is equivalent but slow to compile on XLA CPU.)
   visible_BS11 = jnp.any(mask_BST, axis=-1)[:, :, None, None]
-  return jnp.where(visible_BS11, out_BSHD, 0.0).astype(q.dtype)
+  out_BSHD = jnp.where(visible_BS11, out_BSHD, 0.0).astype(q.dtype)
+  if not return_lse:
+    return out_BSHD
+  lse_BHS = jax.nn.logsumexp(jnp.where(mask_BST[:, None], s_BHST, -jnp.inf), axis=-1)
+  return out_BSHD, lse_BHS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,9 +136,10 @@ class _Config:
   block_k: int
   block_q_bwd: int
   block_k_bwd: int
-  kv_len: Optional[int]  # true sequence length when the kernel sees a padded one, else None
+  kv_len: Optional[int]  # mask keys at or past this (padding that nothing else hides), else None
   has_segments: bool
-  skip_blocks: bool  # loop over block_map schedules (needs segment ids)
+  has_positions: bool  # causal masking by given [Sq] / [Sk] positions, not 0, 1, ...
+  skip_blocks: bool  # loop over block_map schedules (needs segment ids or positions)
   count_blocks: bool  # debug: each program also writes how many tiles it computed
   precision: lax.Precision  # of every in-kernel dot: DEFAULT is TF32 for fp32 on GPU
   num_warps: Optional[int]
@@ -172,8 +187,8 @@ def _dot(a, b, precision):
 def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: Optional[int]):
   """Visibility mask, or None when every entry of the tile is visible.
 
-  q_pos/k_pos/q_seg/k_seg are broadcastable to the tile. kv_len masks padded keys; with causal
-  masking padded keys are already invisible to real queries, so callers pass kv_len=None then.
+  q_pos/k_pos/q_seg/k_seg are broadcastable to the tile. kv_len masks padded keys where
+  causality does not already hide them from real queries (_Config.kv_len).
   """
   mask = None
 
@@ -190,13 +205,15 @@ def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: Optional[int]):
 
 
 def _split_refs(refs, cfg: _Config):
-  """(q segment ref, kv segment ref, schedule refs, output refs, count ref) from the refs after
-  the fixed inputs: segment ids and the block schedule come first, the count output last."""
+  """(q segment ref, kv segment ref, (q position ref, kv position ref), schedule refs, output
+  refs, count ref) from the refs after the fixed inputs: segment ids, positions and the block
+  schedule come first, the count output last."""
   refs = list(refs)
   q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+  pos = (refs.pop(0), refs.pop(0)) if cfg.has_positions else (None, None)
   schedule = tuple(refs.pop(0) for _ in range(3)) if cfg.skip_blocks else None
   count = refs.pop() if cfg.count_blocks else None
-  return q_seg, kv_seg, schedule, refs, count
+  return q_seg, kv_seg, pos, schedule, refs, count
 
 
 def _row_loops(cfg: _Config, schedule, q_start, block_q: int, block_k: int, num_k_blocks: int):
@@ -206,6 +223,8 @@ def _row_loops(cfg: _Config, schedule, q_start, block_q: int, block_k: int, num_
     split, total = split_ref[...], total_ref[...]
     loops = [(0, split, False), (split, total, True)] if cfg.causal else [(0, total, False)]
     return loops, lambda t: blocks_ref[t]
+  if cfg.causal and cfg.has_positions:  # no schedule (skip_empty_blocks=False): mask them all
+    return [(0, num_k_blocks, True)], lambda t: t
   if cfg.causal:
     # Blocks strictly below the diagonal need no causal mask; blocks past it are skipped.
     num_full = _div(q_start, block_k)
@@ -221,6 +240,8 @@ def _col_loops(cfg: _Config, schedule, k_start, block_q: int, block_k: int, num_
     split, total = split_ref[...], total_ref[...]
     loops = [(0, split, True), (split, total, False)] if cfg.causal else [(0, total, False)]
     return loops, lambda t: blocks_ref[t]
+  if cfg.causal and cfg.has_positions:
+    return [(0, num_q_blocks, True)], lambda t: t
   if cfg.causal:
     # q blocks before first_live see none of these keys; from first_full on, all of them.
     first_live = _div(k_start, block_q)
@@ -256,7 +277,8 @@ def _cdiv(a, b: int):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
-  q_seg_ref, kv_seg_ref, schedule, (o_ref, lse_ref), count_ref = _split_refs(refs, cfg)
+  q_seg_ref, kv_seg_ref, (q_pos_ref, kv_pos_ref), schedule, (o_ref, lse_ref), count_ref = \
+      _split_refs(refs, cfg)
   block_q, head_dim = q_ref.shape
   block_k = cfg.block_k
   num_k_blocks = k_ref.shape[0] // block_k
@@ -266,8 +288,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
 
   q = q_ref[...]
   q_seg = None if q_seg_ref is None else q_seg_ref[...][:, None]
-  q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-  kv_len = None if cfg.causal else cfg.kv_len
+  q_pos = (q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+           if q_pos_ref is None else q_pos_ref[...][:, None])
+  kv_len = cfg.kv_len
 
   def body(j, carry, *, causal_mask):
     acc, m, l = carry
@@ -276,7 +299,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
     s = _dot_nt(q, k, cfg.precision) * scale2
-    k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    k_pos = (k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+             if kv_pos_ref is None else kv_pos_ref[kv_slice][None, :])
     k_seg = None if kv_seg_ref is None else kv_seg_ref[kv_slice][None, :]
     mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
     if mask is not None:
@@ -321,12 +345,19 @@ def _q_block_index(pid, num_q_blocks: int, causal: bool):
   return num_q_blocks - 1 - pid if causal else pid
 
 
-def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
-  B, S, H, D = q.shape
-  K = k.shape[2]
+def _schedules(cfg: _Config, q_seg, kv_seg, q_pos, kv_pos, block_q: int, block_k: int, B: int,
+               Sq: int, Sk: int):
+  return block_map.schedules(jnp, q_seg, kv_seg, block_q, block_k, cfg.causal, batch=B,
+                             q_pos_S=None if q_pos is None else q_pos[0],
+                             kv_pos_S=None if kv_pos is None else kv_pos[0], seq=(Sq, Sk))
+
+
+def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+  B, Sq, H, D = q.shape
+  Sk, K = k.shape[1], k.shape[2]
   group = H // K
   block_q = cfg.block_q
-  num_q_blocks = S // block_q
+  num_q_blocks = Sq // block_q
 
   def q_map(i, b, h):
     return (b, _q_block_index(i, num_q_blocks, cfg.causal), h, 0)
@@ -336,16 +367,21 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
 
   in_specs = [
       pl.BlockSpec((None, block_q, None, D), q_map),
-      pl.BlockSpec((None, S, None, D), kv_map),
-      pl.BlockSpec((None, S, None, D), kv_map),
+      pl.BlockSpec((None, Sk, None, D), kv_map),
+      pl.BlockSpec((None, Sk, None, D), kv_map),
   ]
   args = [q, k, v]
   q_row = lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))
   if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, block_q), q_row), pl.BlockSpec((None, S), lambda i, b, h: (b, 0))]
+    in_specs += [pl.BlockSpec((None, block_q), q_row),
+                 pl.BlockSpec((None, Sk), lambda i, b, h: (b, 0))]
     args += [q_seg, kv_seg]
+  if cfg.has_positions:  # [1, S]: one row of positions for the whole batch
+    in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (0, q_row(i, b, h)[1])),
+                 pl.BlockSpec((None, Sk), lambda i, b, h: (0, 0))]
+    args += [q_pos, kv_pos]
   if cfg.skip_blocks:
-    rows, _ = block_map.schedules(jnp, q_seg, kv_seg, block_q, cfg.block_k, cfg.causal)
+    rows, _ = _schedules(cfg, q_seg, kv_seg, q_pos, kv_pos, block_q, cfg.block_k, B, Sq, Sk)
     in_specs += _schedule_specs(rows, q_row)
     args += list(rows)
   out_specs = [
@@ -355,7 +391,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
   ]
   out_shape = [
       jax.ShapeDtypeStruct(q.shape, q.dtype),
-      jax.ShapeDtypeStruct((B, H, S), jnp.float32),
+      jax.ShapeDtypeStruct((B, H, Sq), jnp.float32),
   ]
   if cfg.count_blocks:
     out_specs.append(pl.BlockSpec((None, None, None), lambda i, b, h: (b, h, q_row(i, b, h)[1])))
@@ -385,18 +421,20 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, group: int):
-  q_seg_ref, kv_seg_ref, schedule, (dk_ref, dv_ref), count_ref = _split_refs(refs, cfg)
+  q_seg_ref, kv_seg_ref, (q_pos_ref, kv_pos_ref), schedule, (dk_ref, dv_ref), count_ref = \
+      _split_refs(refs, cfg)
   block_k, head_dim = k_ref.shape
   block_q = cfg.block_q_bwd
   num_q_blocks = q_ref.shape[0] // block_q
   k_start = pl.program_id(0) * block_k
   scale2 = cfg.sm_scale * _LOG2E
-  kv_len = None if cfg.causal else cfg.kv_len
+  kv_len = cfg.kv_len
 
   k = k_ref[...]
   v = v_ref[...]
   # Work on transposed tiles [block_k, block_q] so no operand needs an in-kernel transpose.
-  k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_k, block_q), 0)
+  k_pos = (k_start + lax.broadcasted_iota(jnp.int32, (block_k, block_q), 0)
+           if kv_pos_ref is None else kv_pos_ref[...][:, None])
   k_seg = None if kv_seg_ref is None else kv_seg_ref[...][:, None]
 
   def q_body(i, carry, *, g, causal_mask):
@@ -409,7 +447,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
     delta = delta_ref[g, q_slice]
     s_t = _dot_nt(k, q, cfg.precision) * scale2
     p_t = jnp.exp2(s_t - lse[None, :])
-    q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)
+    q_pos = (q_start + lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)
+             if q_pos_ref is None else q_pos_ref[q_slice][None, :])
     q_seg = None if q_seg_ref is None else q_seg_ref[q_slice][None, :]
     mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
     if mask is not None:
@@ -436,19 +475,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config,
                num_q_blocks: int):
-  q_seg_ref, kv_seg_ref, schedule, (dq_ref,), count_ref = _split_refs(refs, cfg)
+  q_seg_ref, kv_seg_ref, (q_pos_ref, kv_pos_ref), schedule, (dq_ref,), count_ref = \
+      _split_refs(refs, cfg)
   block_q, head_dim = q_ref.shape
   block_k = cfg.block_k_bwd
   num_k_blocks = k_ref.shape[0] // block_k
   q_start = _q_block_index(pl.program_id(0), num_q_blocks, cfg.causal) * block_q
   scale2 = cfg.sm_scale * _LOG2E
-  kv_len = None if cfg.causal else cfg.kv_len
+  kv_len = cfg.kv_len
 
   q = q_ref[...]
   do = do_ref[...]
   lse = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
-  q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+  q_pos = (q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+           if q_pos_ref is None else q_pos_ref[...][:, None])
   q_seg = None if q_seg_ref is None else q_seg_ref[...][:, None]
 
   def body(j, dq, *, causal_mask):
@@ -457,7 +498,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Con
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
     p = jnp.exp2(_dot_nt(q, k, cfg.precision) * scale2 - lse)
-    k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    k_pos = (k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+             if kv_pos_ref is None else kv_pos_ref[kv_slice][None, :])
     k_seg = None if kv_seg_ref is None else kv_seg_ref[kv_slice][None, :]
     mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=causal_mask, kv_len=kv_len)
     if mask is not None:
@@ -474,37 +516,48 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Con
     count_ref[...] = count
 
 
-def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
-  B, S, H, D = q.shape
-  K = k.shape[2]
+def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do,
+              dlse_BHS=None, grad_dtype=None):
+  """dq, dk, dv (and the debug counts), in the inputs' dtypes or `grad_dtype`. `lse_BHS` is
+  the kernels' base-2 log-sum-exp (+inf for rows that see no key); `dlse_BHS`, a cotangent of
+  the natural-log LSE, enters as delta - dlse (d lse / d s = p)."""
+  B, Sq, H, D = q.shape
+  Sk, K = k.shape[1], k.shape[2]
   group = H // K
   delta_BHS = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+  if dlse_BHS is not None:
+    delta_BHS = delta_BHS - dlse_BHS
   params = _compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd)
   bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
 
   # dK/dV over grid (kv block, batch, kv head); the group's q heads are a contiguous slab.
-  group_q_spec = pl.BlockSpec((None, S, group, D), lambda j, b, kh: (b, 0, kh, 0))
+  group_q_spec = pl.BlockSpec((None, Sq, group, D), lambda j, b, kh: (b, 0, kh, 0))
   kv_block_spec = pl.BlockSpec((None, bk, None, D), lambda j, b, kh: (b, j, kh, 0))
-  group_row_spec = pl.BlockSpec((None, group, S), lambda j, b, kh: (b, kh, 0))
+  group_row_spec = pl.BlockSpec((None, group, Sq), lambda j, b, kh: (b, kh, 0))
   in_specs = [group_q_spec, kv_block_spec, kv_block_spec, group_q_spec, group_row_spec,
               group_row_spec]
   args = [q, k, v, do, lse_BHS, delta_BHS]
   if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, S), lambda j, b, kh: (b, 0)),
+    in_specs += [pl.BlockSpec((None, Sq), lambda j, b, kh: (b, 0)),
                  pl.BlockSpec((None, bk), lambda j, b, kh: (b, j))]
     args += [q_seg, kv_seg]
+  if cfg.has_positions:
+    in_specs += [pl.BlockSpec((None, Sq), lambda j, b, kh: (0, 0)),
+                 pl.BlockSpec((None, bk), lambda j, b, kh: (0, j))]
+    args += [q_pos, kv_pos]
   if cfg.skip_blocks:
-    rows, cols = block_map.schedules(jnp, q_seg, kv_seg, bq, bk, cfg.causal)
+    rows, cols = _schedules(cfg, q_seg, kv_seg, q_pos, kv_pos, bq, bk, B, Sq, Sk)
     in_specs += _schedule_specs(cols, lambda j, b, kh: (b, j))
     args += list(cols)
   out_specs = [kv_block_spec, kv_block_spec]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, grad_dtype or k.dtype),
+               jax.ShapeDtypeStruct(v.shape, grad_dtype or v.dtype)]
   if cfg.count_blocks:
     out_specs.append(pl.BlockSpec((None, None, None), lambda j, b, kh: (b, kh, j)))
-    out_shape.append(jax.ShapeDtypeStruct((B, K, S // bk), jnp.int32))
+    out_shape.append(jax.ShapeDtypeStruct((B, K, Sk // bk), jnp.int32))
   dk, dv, *count_dkv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg=cfg, group=group),
-      grid=(S // bk, B, K),
+      grid=(Sk // bk, B, K),
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
@@ -514,7 +567,7 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
   )(*args)
 
   # dQ over grid (q block, batch, q head).
-  num_q_blocks = S // bq
+  num_q_blocks = Sq // bq
 
   def q_map(i, b, h):
     return (b, _q_block_index(i, num_q_blocks, cfg.causal), h, 0)
@@ -526,19 +579,24 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
     return (b, 0, _div(h, group), 0)
 
   q_spec = pl.BlockSpec((None, bq, None, D), q_map)
-  kv_full_spec = pl.BlockSpec((None, S, None, D), kv_map)
+  kv_full_spec = pl.BlockSpec((None, Sk, None, D), kv_map)
   row_spec = pl.BlockSpec((None, None, bq), row_map)
   in_specs = [q_spec, kv_full_spec, kv_full_spec, q_spec, row_spec, row_spec]
   args = [q, k, v, do, lse_BHS, delta_BHS]
   q_row = lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))
   if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, bq), q_row), pl.BlockSpec((None, S), lambda i, b, h: (b, 0))]
+    in_specs += [pl.BlockSpec((None, bq), q_row),
+                 pl.BlockSpec((None, Sk), lambda i, b, h: (b, 0))]
     args += [q_seg, kv_seg]
+  if cfg.has_positions:
+    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (0, q_row(i, b, h)[1])),
+                 pl.BlockSpec((None, Sk), lambda i, b, h: (0, 0))]
+    args += [q_pos, kv_pos]
   if cfg.skip_blocks:
     in_specs += _schedule_specs(rows, q_row)
     args += list(rows)
   out_specs = [q_spec]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)]
   if cfg.count_blocks:
     out_specs.append(pl.BlockSpec((None, None, None), row_map))
     out_shape.append(jax.ShapeDtypeStruct((B, H, num_q_blocks), jnp.int32))
@@ -560,25 +618,37 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
 # custom_vjp plumbing: residuals are the inputs, the output and the fp32 log-sum-exp.
 
 
+def _natural_lse(lse2_BHS):
+  """The kernels' base-2 LSE (+inf: no visible key) as a natural-log one (-inf: no key)."""
+  return jnp.where(jnp.isinf(lse2_BHS), -jnp.inf, lse2_BHS * _LN2)
+
+
+def _kernel_lse(lse_BHS):
+  return jnp.where(lse_BHS == -jnp.inf, jnp.inf, lse_BHS * _LOG2E)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_core(cfg, q, k, v, q_seg, kv_seg):
-  return _forward(cfg, q, k, v, q_seg, kv_seg)[0]
+def _flash_core(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+  out, lse2 = _forward_kernel(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+  return out, _natural_lse(lse2)
 
 
 # Neither the forward kernel (whose residuals a second derivative differentiates) nor the
 # backward kernels have a derivative of their own: differentiating them (grad of grad,
 # forward-over-reverse) would reach the pallas_call JVP rule, which fails deep inside Pallas.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _forward_kernel(cfg, q, k, v, q_seg, kv_seg):
-  return _forward(cfg, q, k, v, q_seg, kv_seg)[:2]
+def _forward_kernel(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+  return _forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)[:2]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward_kernels(cfg, q, k, v, q_seg, kv_seg, out, lse_BHS, do):
-  return _backward(cfg, q, k, v, q_seg, kv_seg, out, lse_BHS, do)[:3]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 12))
+def _backward_kernels(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS,
+                      grad_dtype=None):
+  return _backward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS,
+                   grad_dtype)[:3]
 
 
-def _no_second_derivative(cfg, primals, tangents):
+def _no_second_derivative(cfg, *args):
   raise FlashAttentionError(
       "flash_attention has no second derivative (grad of grad, jvp of grad, Hessian-vector "
       "products): its backward pass is a kernel without a derivative. Differentiate "
@@ -589,37 +659,63 @@ _forward_kernel.defjvp(_no_second_derivative)
 _backward_kernels.defjvp(_no_second_derivative)
 
 
-def _flash_core_fwd(cfg, q, k, v, q_seg, kv_seg):
-  out, lse_BHS = _forward_kernel(cfg, q, k, v, q_seg, kv_seg)
-  return out, (q, k, v, q_seg, kv_seg, out, lse_BHS)
+def _flash_core_fwd(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+  out, lse2 = _forward_kernel(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+  return (out, _natural_lse(lse2)), (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse2)
 
 
-def _flash_core_bwd(cfg, residuals, do):
-  q, k, v, q_seg, kv_seg, out, lse_BHS = residuals
-  dq, dk, dv = _backward_kernels(cfg, q, k, v, q_seg, kv_seg, out, lse_BHS, do)
-  return dq, dk, dv, None, None
+def _flash_core_bwd(cfg, residuals, cotangents):
+  do, dlse = cotangents
+  dq, dk, dv = _backward_kernels(cfg, *residuals, do, dlse)
+  return dq, dk, dv, None, None, None, None
 
 
 _flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
 
+_NEVER = np.iinfo(np.int32).max  # the position of a padded key: after every query
 
-def _pad(q, k, v, q_seg, kv_seg, padded_seq, padded_head_dim):
-  S, D = q.shape[1], q.shape[3]
-  pad = ((0, 0), (0, padded_seq - S), (0, 0), (0, padded_head_dim - D))
-  if pad[1][1] or pad[3][1]:
-    # Zero head-dim padding leaves q.k and the real output columns unchanged.
-    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+
+def _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_head_dim):
+  Sq, Sk, D = q.shape[1], k.shape[1], q.shape[3]
+  pad_d = padded_head_dim - D
+  # Zero head-dim padding leaves q.k and the real output columns unchanged.
+  if padded_sq != Sq or pad_d:
+    q = jnp.pad(q, ((0, 0), (0, padded_sq - Sq), (0, 0), (0, pad_d)))
+  if padded_sk != Sk or pad_d:
+    k, v = (jnp.pad(x, ((0, 0), (0, padded_sk - Sk), (0, 0), (0, pad_d))) for x in (k, v))
   if q_seg is not None:
-    q_seg = block_map.pad_segments(jnp, q_seg, padded_seq)
-    kv_seg = block_map.pad_segments(jnp, kv_seg, padded_seq)
-  return q, k, v, q_seg, kv_seg
+    q_seg = block_map.pad_segments(jnp, q_seg, padded_sq)
+    kv_seg = block_map.pad_segments(jnp, kv_seg, padded_sk)
+  if q_pos is not None:
+    # Padded queries repeat the last position (their block's range stays), padded keys come
+    # after every query: causality hides them.
+    q_pos = block_map.pad_segments(jnp, q_pos, padded_sq)
+    kv_pos = jnp.pad(kv_pos, ((0, 0), (0, padded_sk - Sk)), constant_values=_NEVER)
+  return q, k, v, q_seg, kv_seg, q_pos, kv_pos
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "padded_seq", "padded_head_dim"))
-def _flash_padded(q, k, v, q_seg, kv_seg, *, cfg, padded_seq, padded_head_dim):
-  S, D = q.shape[1], q.shape[3]
-  out = _flash_core(cfg, *_pad(q, k, v, q_seg, kv_seg, padded_seq, padded_head_dim))
-  return out[:, :S, :, :D]
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_head_dim"))
+def _flash_padded(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, cfg, padded_sq, padded_sk,
+                  padded_head_dim):
+  Sq, D = q.shape[1], q.shape[3]
+  out, lse = _flash_core(cfg, *_pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq,
+                                    padded_sk, padded_head_dim))
+  return out[:, :Sq, :, :D], lse[:, :, :Sq]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_head_dim",
+                                             "grad_dtype"))
+def _backward_padded(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, *, cfg, padded_sq,
+                     padded_sk, padded_head_dim, grad_dtype=None):
+  Sq, Sk, D = q.shape[1], k.shape[1], q.shape[3]
+  padded = _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_head_dim)
+  rows = ((0, 0), (0, padded_sq - Sq), (0, 0), (0, padded_head_dim - D))
+  out, do = jnp.pad(out, rows), jnp.pad(do, rows)
+  # padded rows see no key (+inf), so they add nothing to dK/dV
+  lse2 = jnp.pad(_kernel_lse(lse.astype(jnp.float32)), ((0, 0), (0, 0), (0, padded_sq - Sq)),
+                 constant_values=jnp.inf)
+  dq, dk, dv = _backward_kernels(cfg, *padded, out, lse2, do, None, grad_dtype)
+  return dq[:, :Sq, :, :D], dk[:, :Sk, :, :D], dv[:, :Sk, :, :D]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,7 +753,18 @@ def _exact_segment_ids(seg, name: str):
   return jnp.asarray(values.astype(np.int32))
 
 
-def _validate(q, k, v, q_seg, kv_seg):
+def _split_positions(positions):
+  if positions is None:
+    return None, None
+  if not isinstance(positions, (tuple, list)) or len(positions) != 2 or any(
+      x is None for x in positions):
+    raise FlashAttentionError(
+        "positions must be a pair (q_positions [Sq], kv_positions [Sk]) of integer arrays, or "
+        "None (0, 1, ... for both)")
+  return tuple(positions)
+
+
+def _validate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, one_segment_array: bool):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
       raise FlashAttentionError(
@@ -668,10 +775,6 @@ def _validate(q, k, v, q_seg, kv_seg):
   Bk, Sk, K, Dk = k.shape
   if Bk != B:
     raise FlashAttentionError(f"batch mismatch: q has {B}, k/v have {Bk}.")
-  if Sk != S:
-    raise FlashAttentionError(
-        f"sequence mismatch: q has {S} tokens, k/v have {Sk}; this kernel does self-attention "
-        "only (equal q and kv lengths).")
   if Dk != D:
     raise FlashAttentionError(f"head_dim mismatch: q has {D}, k/v have {Dk}.")
   if K == 0 or H % K:
@@ -689,14 +792,24 @@ def _validate(q, k, v, q_seg, kv_seg):
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise FlashAttentionError(
         f"dtype {q.dtype} is unsupported; use one of float32, bfloat16, float16.")
-  for name, seg in (("q segment_ids", q_seg), ("kv segment_ids", kv_seg)):
+  if one_segment_array and Sk != S:
+    raise FlashAttentionError(
+        f"sequence mismatch: q has {S} tokens, k/v have {Sk}, and one segment_ids array can "
+        "only serve both when they match; pass (q_segment_ids, kv_segment_ids).")
+  for name, seg, n in (("q segment_ids", q_seg, S), ("kv segment_ids", kv_seg, Sk)):
     if seg is None:
       continue
-    if tuple(seg.shape) != (B, S):
-      raise FlashAttentionError(f"{name} must have shape [batch, seq] = {(B, S)}; "
+    if tuple(seg.shape) != (B, n):
+      raise FlashAttentionError(f"{name} must have shape [batch, seq] = {(B, n)}; "
                                 f"got {tuple(seg.shape)}.")
     if not jnp.issubdtype(seg.dtype, jnp.integer):
       raise FlashAttentionError(f"{name} must be an integer array; got {seg.dtype}.")
+  for name, pos, n in (("q_positions", q_pos, S), ("kv_positions", kv_pos, Sk)):
+    if pos is None:
+      continue
+    if tuple(pos.shape) != (n,) or not jnp.issubdtype(pos.dtype, jnp.integer):
+      raise FlashAttentionError(f"{name} must be an integer array of shape [seq] = ({n},); "
+                                f"got {pos.dtype}{list(pos.shape)}.")
 
 
 def _precision(precision) -> lax.Precision:
@@ -713,31 +826,63 @@ def _precision(precision) -> lax.Precision:
         "inputs on GPU; HIGHEST: full fp32)") from None
 
 
-def _resolve(B, S, H, D, has_segments, *, causal, sm_scale, blocks, num_warps, num_warps_bwd,
-             num_stages, num_stages_bwd, interpret, precision, skip_empty_blocks,
-             count_blocks=False):
-  """(_Config, padded seq, padded head_dim) for a call: what flash_attention runs and what
-  block_counts counts."""
+def _resolve(B, Sq, Sk, H, D, has_segments, has_positions=False, *, causal, sm_scale, blocks,
+             num_warps, num_warps_bwd, num_stages, num_stages_bwd, interpret, precision,
+             skip_empty_blocks, count_blocks=False):
+  """(_Config, padded q length, padded kv length, padded head_dim) for a call: what
+  flash_attention runs and what block_counts counts."""
   padded_d = max(_MIN_TILE, pl.next_power_of_2(D))
   chosen = []
-  for name, value, default in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"), blocks,
-                                  _default_blocks(padded_d)):
-    chosen.append(_check_block(name, value) if value is not None else _fit_block(default, S))
-  padded_s = -(-S // max(chosen)) * max(chosen)
+  for name, value, default, n in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"),
+                                     blocks, _default_blocks(padded_d), (Sq, Sk, Sq, Sk)):
+    chosen.append(_check_block(name, value) if value is not None else _fit_block(default, n))
+  multiple = max(chosen)
+  padded_sq, padded_sk = (-(-n // multiple) * multiple for n in (Sq, Sk))
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  # Padded keys sit after every real query (positions Sk, ... or _NEVER) unless attention is
+  # not causal or more queries than keys count from 0: only then a length mask hides them.
+  hide_padding = padded_sk != Sk and (not causal or (not has_positions and Sq > Sk))
   cfg = _Config(
       causal=bool(causal), sm_scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
       block_q=chosen[0], block_k=chosen[1], block_q_bwd=chosen[2], block_k_bwd=chosen[3],
-      kv_len=S if padded_s != S else None, has_segments=has_segments,
-      skip_blocks=has_segments and bool(skip_empty_blocks), count_blocks=count_blocks,
-      precision=_precision(precision),
+      kv_len=Sk if hide_padding else None, has_segments=has_segments,
+      has_positions=bool(has_positions and causal),
+      skip_blocks=(has_segments or bool(has_positions and causal)) and bool(skip_empty_blocks),
+      count_blocks=count_blocks, precision=_precision(precision),
       num_warps=(4 if padded_d <= 64 else 8) if num_warps is None else num_warps,
       num_warps_bwd=(4 if padded_d <= 64 else 8) if num_warps_bwd is None else num_warps_bwd,
       num_stages=3 if num_stages is None else num_stages,
       num_stages_bwd=2 if num_stages_bwd is None else num_stages_bwd,
       interpret=bool(interpret))
-  return cfg, padded_s, padded_d
+  return cfg, padded_sq, padded_sk, padded_d
+
+
+def _prepare(q, k, v, segment_ids, positions, *, causal, sm_scale, blocks, num_warps,
+             num_warps_bwd, num_stages, num_stages_bwd, interpret, precision,
+             skip_empty_blocks):
+  """Validated int32 ids and positions, and the (_Config, padded sizes) of a call."""
+  q_seg, kv_seg = _split_segments(segment_ids)
+  q_pos, kv_pos = _split_positions(positions)
+  _validate(q, k, v, q_seg, kv_seg, q_pos, kv_pos,
+            one_segment_array=segment_ids is not None and not isinstance(segment_ids,
+                                                                         (tuple, list)))
+  q_seg = _exact_segment_ids(q_seg, "q segment_ids")
+  kv_seg = _exact_segment_ids(kv_seg, "kv segment_ids")
+  if q_pos is not None and causal:  # [1, S]: the layout the kernels read them in
+    q_pos, kv_pos = (jnp.asarray(x).astype(jnp.int32)[None] for x in (q_pos, kv_pos))
+  else:
+    q_pos = kv_pos = None  # without causal masking positions change nothing
+  B, Sq, H, D = q.shape
+  if B == 0 or Sq == 0 or k.shape[1] == 0:
+    return (q_seg, kv_seg, q_pos, kv_pos), None
+  cfg, padded_sq, padded_sk, padded_d = _resolve(
+      B, Sq, k.shape[1], H, D, q_seg is not None, q_pos is not None, causal=causal,
+      sm_scale=sm_scale, blocks=blocks, num_warps=num_warps, num_warps_bwd=num_warps_bwd,
+      num_stages=num_stages, num_stages_bwd=num_stages_bwd, interpret=interpret,
+      precision=precision, skip_empty_blocks=skip_empty_blocks)
+  sizes = dict(cfg=cfg, padded_sq=padded_sq, padded_sk=padded_sk, padded_head_dim=padded_d)
+  return (q_seg, kv_seg, q_pos, kv_pos), sizes
 
 
 def flash_attention(
@@ -746,6 +891,8 @@ def flash_attention(
     v_BSKD: jax.Array,
     segment_ids_BS: SegmentIds = None,
     *,
+    positions=None,
+    return_lse: bool = False,
     causal: bool = True,
     sm_scale: Optional[float] = None,
     block_q: Optional[int] = None,
@@ -759,17 +906,26 @@ def flash_attention(
     interpret: Optional[bool] = None,
     precision: Optional[lax.Precision] = None,
     skip_empty_blocks: bool = True,
-) -> jax.Array:
+):
   """Memory-efficient attention softmax(q k^T * sm_scale + mask) v, differentiable once.
 
   Args:
-    q_BSHD: queries [B, S, H, D]; float32, bfloat16 or float16.
-    k_BSKD, v_BSKD: keys/values [B, S, K, D] with H % K == 0 (K == 1 is MQA); same dtype as q.
+    q_BSHD: queries [B, Sq, H, D]; float32, bfloat16 or float16.
+    k_BSKD, v_BSKD: keys/values [B, Sk, K, D] with H % K == 0 (K == 1 is MQA); same dtype as
+      q. Sk may differ from Sq (a context-parallel shard's queries against gathered keys).
     segment_ids_BS: None, an int [B, S] array (packed documents: i attends to j only when their
-      ids match), or a pair (q_segment_ids, kv_segment_ids), both given. Rows with no visible
-      key return 0. Ids are compared exactly in any integer dtype (64-bit host ids must fit
-      int32 unless jax_enable_x64 is on).
-    causal: also require j <= i.
+      ids match; Sq == Sk), or a pair (q_segment_ids [B, Sq], kv_segment_ids [B, Sk]), both
+      given. Rows with no visible key return 0. Ids are compared exactly in any integer dtype
+      (64-bit host ids must fit int32 unless jax_enable_x64 is on).
+    positions: None (queries and keys at 0, 1, ...), or a pair (q_positions [Sq],
+      kv_positions [Sk]) of int32 positions in the whole sequence, shared by the batch rows:
+      causal masking then keeps key j for query i when kv_positions[j] <= q_positions[i]. A
+      context-parallel shard passes its tokens' global positions (any order: tiles are
+      skipped from each block's range of positions, block_map.py). Ignored without causal.
+    return_lse: also return the fp32 natural-log log-sum-exp [B, H, Sq] of each query's
+      scaled scores (-inf for a row with no visible key), differentiable too: what a ring
+      step needs to merge partial results.
+    causal: also require j <= i (by position).
     sm_scale: logit scale, default 1/sqrt(D).
     block_q, block_k: forward tile sizes; block_q_bwd, block_k_bwd: backward tile sizes
       (dK/dV kernel keeps a block_k_bwd KV tile and loops over block_q_bwd q tiles; dQ the
@@ -780,12 +936,14 @@ def flash_attention(
       default, like DEFAULT and HIGH, computes fp32 inputs in TF32 on GPU (as XLA's fp32 dots
       do there; ~1e-3 relative, not the ~1e-6 the CPU tests see); HIGHEST computes full fp32
       (several times slower). No effect on bf16/fp16 inputs or in interpret mode.
-    skip_empty_blocks: with segment ids, skip the (q block, kv block) tiles whose documents do
-      not meet (block_map.py; exact). False only to measure what skipping saves.
+    skip_empty_blocks: with segment ids or positions, skip the (q block, kv block) tiles no
+      query of which sees a key of (block_map.py; exact). False only to measure what
+      skipping saves.
 
   Returns:
-    [B, S, H, D] in q's dtype. Softmax statistics and all accumulations are fp32. An empty
-    batch or sequence (B == 0 or S == 0) returns an empty array without running a kernel.
+    [B, Sq, H, D] in q's dtype (and the LSE with return_lse). Softmax statistics and all
+    accumulations are fp32. An empty batch or sequence returns empty arrays without running a
+    kernel.
 
   A sequence length that is not a multiple of the block sizes is zero-padded up to one (padded
   keys are masked) and the result sliced back; head dims that are not a power of two >= 16 are
@@ -794,20 +952,52 @@ def flash_attention(
   or half-given segment ids, and when differentiated twice; jvp (forward mode) is not
   supported either (jax raises a TypeError for the custom VJP).
   """
-  q_seg, kv_seg = _split_segments(segment_ids_BS)
-  _validate(q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg)
-  q_seg = _exact_segment_ids(q_seg, "q segment_ids")
-  kv_seg = _exact_segment_ids(kv_seg, "kv segment_ids")
-  B, S, H, D = q_BSHD.shape
-  if B == 0 or S == 0:
-    return jnp.zeros(q_BSHD.shape, q_BSHD.dtype)
-  cfg, padded_s, padded_d = _resolve(
-      B, S, H, D, q_seg is not None, causal=causal, sm_scale=sm_scale,
+  ids, sizes = _prepare(
+      q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, positions, causal=causal, sm_scale=sm_scale,
       blocks=(block_q, block_k, block_q_bwd, block_k_bwd), num_warps=num_warps,
       num_warps_bwd=num_warps_bwd, num_stages=num_stages, num_stages_bwd=num_stages_bwd,
       interpret=interpret, precision=precision, skip_empty_blocks=skip_empty_blocks)
-  return _flash_padded(q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg, cfg=cfg, padded_seq=padded_s,
-                       padded_head_dim=padded_d)
+  B, Sq, H, _ = q_BSHD.shape
+  if sizes is None:  # an empty batch or sequence
+    out = jnp.zeros(q_BSHD.shape, q_BSHD.dtype)
+    return (out, jnp.full((B, H, Sq), -jnp.inf, jnp.float32)) if return_lse else out
+  out, lse = _flash_padded(q_BSHD, k_BSKD, v_BSKD, *ids, **sizes)
+  return (out, lse) if return_lse else out
+
+
+def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, positions, out_BSHD,
+                             lse_BHS, do_BSHD, *, causal: bool = True, grad_dtype=None,
+                             **options):
+  """(dq, dk, dv) of one block of a larger attention, from the whole attention's output and
+  LSE (natural log, -inf for no visible key) and the output cotangent: p = exp(s - lse) and
+  ds = p (dp - rowsum(do * out)) are then this block's share of the exact gradients, as a
+  ring step's backward needs (context_attention.py). In the inputs' dtypes, or `grad_dtype`
+  (float32: partial gradients that sum without rounding). Same arguments and options as
+  flash_attention; not differentiable."""
+  ids, sizes = _prepare(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, positions, causal=causal,
+                        **_options(options))
+  dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
+  if sizes is None:
+    return tuple(jnp.zeros(x.shape, dtype or x.dtype) for x in (q_BSHD, k_BSKD, v_BSKD))
+  return _backward_padded(q_BSHD, k_BSKD, v_BSKD, *ids, out_BSHD, lse_BHS, do_BSHD,
+                          grad_dtype=dtype, **sizes)
+
+
+def _options(options: dict) -> dict:
+  known = ("sm_scale", "block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps",
+           "num_warps_bwd", "num_stages", "num_stages_bwd", "interpret", "precision",
+           "skip_empty_blocks")
+  unknown = sorted(set(options) - set(known))
+  if unknown:
+    raise FlashAttentionError(f"unknown options {unknown}; known: {', '.join(known)}")
+  o = {k: options.get(k) for k in known}
+  return dict(sm_scale=o["sm_scale"], blocks=(o["block_q"], o["block_k"], o["block_q_bwd"],
+                                              o["block_k_bwd"]),
+              num_warps=o["num_warps"], num_warps_bwd=o["num_warps_bwd"],
+              num_stages=o["num_stages"], num_stages_bwd=o["num_stages_bwd"],
+              interpret=o["interpret"], precision=o["precision"],
+              skip_empty_blocks=True if o["skip_empty_blocks"] is None
+              else o["skip_empty_blocks"])
 
 
 def block_counts(q_shape, segment_ids_BS=None, *, causal: bool = True,
@@ -817,8 +1007,8 @@ def block_counts(q_shape, segment_ids_BS=None, *, causal: bool = True,
   compute for queries of shape `q_shape` and these (numpy or concrete) segment ids: the same
   blocks, padding and block map the kernels use, counted on the host without running them."""
   B, S, H, D = q_shape
-  cfg, padded_s, _ = _resolve(
-      B, S, H, D, segment_ids_BS is not None, causal=causal, sm_scale=None,
+  cfg, padded_s, _, _ = _resolve(
+      B, S, S, H, D, segment_ids_BS is not None, causal=causal, sm_scale=None,
       blocks=(block_q, block_k, block_q_bwd, block_k_bwd), num_warps=None, num_warps_bwd=None,
       num_stages=None, num_stages_bwd=None, interpret=True, precision=None,
       skip_empty_blocks=skip_empty_blocks)
@@ -826,30 +1016,36 @@ def block_counts(q_shape, segment_ids_BS=None, *, causal: bool = True,
   if q_seg is not None:
     q_seg, kv_seg = (block_map.pad_segments(np, np.asarray(s), padded_s) for s in (q_seg, kv_seg))
   return block_map.block_counts(
-      q_seg, kv_seg, batch=B, seq=padded_s, num_heads=H, causal=cfg.causal, block_q=cfg.block_q, block_k=cfg.block_k, block_q_bwd=cfg.block_q_bwd,
-      block_k_bwd=cfg.block_k_bwd, skip=cfg.skip_blocks)
+      q_seg, kv_seg, batch=B, seq=padded_s, num_heads=H, causal=cfg.causal, block_q=cfg.block_q,
+      block_k=cfg.block_k, block_q_bwd=cfg.block_q_bwd, block_k_bwd=cfg.block_k_bwd,
+      skip=cfg.skip_blocks)
 
 
 def _kernel_block_counts(q, k, v, segment_ids_BS=None, *, causal=True, blocks=(None,) * 4,
-                         skip_empty_blocks=True) -> block_map.BlockCounts:
+                         skip_empty_blocks=True, positions=None) -> block_map.BlockCounts:
   """block_counts as the kernels themselves count them (debug outputs; interpret mode on CPU):
   the test that the host block map is the one the kernels run."""
   q_seg, kv_seg = _split_segments(segment_ids_BS)
   q_seg = _exact_segment_ids(q_seg, "q segment_ids")
   kv_seg = _exact_segment_ids(kv_seg, "kv segment_ids")
-  B, S, H, D = q.shape
-  cfg, padded_s, padded_d = _resolve(
-      B, S, H, D, q_seg is not None, causal=causal, sm_scale=None, blocks=blocks, num_warps=None,
-      num_warps_bwd=None, num_stages=None, num_stages_bwd=None, interpret=None, precision=None,
+  q_pos, kv_pos = _split_positions(positions)
+  if q_pos is not None:
+    q_pos, kv_pos = (jnp.asarray(x, jnp.int32)[None] for x in (q_pos, kv_pos))
+  B, Sq, H, D = q.shape
+  cfg, padded_sq, padded_sk, padded_d = _resolve(
+      B, Sq, k.shape[1], H, D, q_seg is not None, q_pos is not None, causal=causal,
+      sm_scale=None, blocks=blocks, num_warps=None, num_warps_bwd=None, num_stages=None,
+      num_stages_bwd=None, interpret=None, precision=None,
       skip_empty_blocks=skip_empty_blocks, count_blocks=True)
-  return block_map.BlockCounts(*(int(n) for n in _counted_run(q, k, v, q_seg, kv_seg, cfg=cfg,
-                                                                padded_seq=padded_s,
-                                                                padded_head_dim=padded_d)))
+  return block_map.BlockCounts(*(int(n) for n in _counted_run(
+      q, k, v, q_seg, kv_seg, q_pos, kv_pos, cfg=cfg, padded_sq=padded_sq, padded_sk=padded_sk,
+      padded_head_dim=padded_d)))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "padded_seq", "padded_head_dim"))
-def _counted_run(q, k, v, q_seg, kv_seg, *, cfg, padded_seq, padded_head_dim):
-  padded = _pad(q, k, v, q_seg, kv_seg, padded_seq, padded_head_dim)
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_head_dim"))
+def _counted_run(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, cfg, padded_sq, padded_sk,
+                 padded_head_dim):
+  padded = _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_head_dim)
   out, lse_BHS, n_fwd = _forward(cfg, *padded)
   _, _, _, (n_dkv, n_dq) = _backward(cfg, *padded, out, lse_BHS, jnp.ones_like(out))
   return jnp.sum(n_fwd), jnp.sum(n_dkv), jnp.sum(n_dq)
