@@ -11,7 +11,7 @@ rates 47-67%). Without context parallelism only pipelines fit one node. Chosen b
 ledger, not yet measured on GPUs; `python train.py --config configs/llama3_8b_128k.py
 --dry-run --target h100 --devices 8` compiles it for H100s (BENCHMARKS.md).
 """
-import llama3_8b
+from . import llama3_8b
 
 
 def get_config():

@@ -289,6 +289,18 @@ def check_supported(core, strategy: str) -> None:
                         for k, v in CONTEXT_STRATEGIES.items()) + ": change one of them")
 
 
+def check_backend(strategy: str, stages: int, platform: str) -> None:
+    """XLA:CPU crashes (segfault at run time) executing a collective-permute that only some
+    devices reach: under pipeline stages each stage rank runs its own branch of the executor's
+    F/B switches, so the ring's hops are such permutes. The GPU compiler's program is fine
+    (tests/test_gpu_compile.py compiles it); all_gather runs everywhere."""
+    if strategy == "ring" and stages > 1 and platform == "cpu":
+        raise ContextAttentionError(
+            "parallel.context_strategy=ring with parallel.stage > 1 crashes XLA:CPU (its "
+            "collective-permutes sit in per-stage branches); on CPU use "
+            "parallel.context_strategy=all_gather, or run on GPUs")
+
+
 def attend(core, plan: ContextPlan, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     """One rank's attention under context parallelism (inside a shard_map with `context`
     manual): q [B, S/c, H, E], k/v [B, S/c, K, E], segment ids [B, S/c], positions [S/c]."""

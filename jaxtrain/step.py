@@ -148,6 +148,9 @@ def build(cfg: Config, mesh: Mesh) -> Setup:
     p = layout["stage"]
     v = cfg.parallel.virtual_stages if p > 1 else 1
     stage_layers = stage_layer_counts(cfg, p, v)
+    if layout["context"] > 1:
+        context_attention.check_backend(cfg.parallel.context_strategy, p,
+                                        mesh.devices.flat[0].platform)
     remat.validate(cfg.remat, [n // v for n in stage_layers])
     validate_fp8(cfg, layout["tensor"])
     order = LayerOrder.natural(cfg.model.num_layers)

@@ -135,13 +135,15 @@ def test_eval_sums_equal_one_device(one_device):
 
 def test_context_parallel_with_pipeline_stages():
     """stage=2 x context=2 (the executor's shard_map over stage around the context
-    attention's) against the same pipeline at context=1."""
+    attention's) against the same pipeline at context=1. The ring is refused on XLA:CPU
+    before compiling (its hops in per-stage branches crash it); the GPU target compiles it."""
     piped = ["--model.num_layers=2", "--parallel.stage=2", "--parallel.microbatches=2",
              "--parallel.data=1"]
     want = _grads(piped, 2)
-    for strategy in ("ring", "all_gather"):
-        _assert_same(_grads([*piped, "--parallel.context=2",
-                             f"--parallel.context_strategy={strategy}"], 4, want[2]), want)
+    _assert_same(_grads([*piped, "--parallel.context=2",
+                         "--parallel.context_strategy=all_gather"], 4, want[2]), want)
+    with pytest.raises(context_attention.ContextAttentionError, match="all_gather"):
+        _grads([*piped, "--parallel.context=2", "--parallel.context_strategy=ring"], 4)
 
 
 def test_context_parallel_with_fp8():

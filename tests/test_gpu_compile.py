@@ -301,6 +301,19 @@ def test_context_collectives_match_the_ledger_and_the_ring_hides_every_hop(h100,
             (a.collective.op, a.overlapped) for a in hops]
 
 
+def test_ring_attention_inside_pipeline_stages_compiles_for_h100(h100):
+    """stage 2 x context 2 x data 2 with the ring (refused on XLA:CPU, which crashes running
+    it): its hops are collective-permutes over `context` inside the executor's loop (the
+    all-reduces there are the weight gradients GSPMD reduces over context, docs/design.md §9)."""
+    out = _compile(h100, "--model.attention=pallas", "--parallel.stage=2", "--parallel.data=2",
+                   "--parallel.context=2", "--parallel.context_strategy=ring",
+                   "--parallel.microbatches=2", "--train.seq_len=128", "--model.max_seq_len=128")
+    assert gpu_program.pallas_kernel_names(out.text) == FLASH_KERNELS
+    kinds = {c.kind for c in hlo.collectives_from_text(out.text, out.mesh)
+             if c.axes == ("context",) and c.in_loop}
+    assert kinds == {"collective-permute", "all-reduce"}, kinds
+
+
 def test_activation_memory_falls_with_the_context_degree(h100):
     """Llama 3 8B at 64K tokens (tensor 2 + SP) on 8 H100s: the compiled memory one more layer
     costs (4 layers minus 2, halved; the logits and head cancel) less the ledger's per-layer
