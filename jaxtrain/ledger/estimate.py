@@ -174,48 +174,97 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     validate_layout(cfg, layout, seq_len=seq)
     flash = uses_flash(cfg, gpu) if flash is None else flash
     m, L = cfg.model, layout
-    notes = []
     stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
     ex = pipeline.executor(L, stage_layers)
     counts = flops.param_counts(m)
     n_local = memory.params_local(cfg, L, stage_layers)   # every pipeline rank alike
     n_state = memory.state_params_local(cfg, L, stage_layers)
+    memory_fields = _memory_fields(cfg, L, gpu, remat, flash, seq, stage_layers, ex, n_local,
+                                   n_state)
 
-    def activations(rm):
-        if ex is not None:
-            return memory.pipelined_activations(cfg, L, rm, flash, seq, ex)
-        return memory.stage_activations(cfg, L, rm, flash, seq, m.num_layers, m.num_layers)
-
-    static = memory.static_bytes(cfg, L, n_local, n_state)
-    if ex is not None:
-        static["pipeline_weights"] = memory.pipeline_weight_bytes(cfg, L, remat, stage_layers,
-                                                                  ex.chunk_layers)
-    act = activations(remat)
-    reserve = memory.reserve_bytes(cfg, L, seq)
-    total = sum(static.values()) + act.total + reserve
-    by_remat = {name: activations(rm).total for name, rm in REMAT_VARIANTS.items()}
-    budget = memory.BUDGET_FRACTION * gpu.hbm_bytes
-    fits = total <= budget
-    static_total = sum(static.values())
-    terms = {"static": static_total, "activations": act.total, "reserve": reserve}
-    overflow = "" if fits else max(terms, key=terms.get)
-    reason = _fit_reason(terms, total, budget, gpu, overflow)
-
-    # FLOPs
+    # FLOPs per token: causal attention counted as half (model FLOPs, MFU), and the full s×s
+    # square (what XLA's attention runs)
     tokens = L.global_batch * seq
     f_model = flops.model_flops_per_token(cfg, seq)
     f_hfu = flops.hfu_flops_per_token(cfg, remat, stage_layers, L.virtual_stages, seq)
     f_model_full = flops.model_flops_per_token(cfg, seq, causal=False)
     f_hfu_full = flops.hfu_flops_per_token(cfg, remat, stage_layers, L.virtual_stages, seq,
                                            causal=False)
-    peak = gpu.peak_flops(m.compute_dtype)
-    D = L.n_devices
-    ideal = f_model * tokens / (D * peak)
+    ideal = f_model * tokens / (L.n_devices * gpu.peak_flops(m.compute_dtype))
 
-    # communication (the stage with the most layers)
-    layers_max = max(stage_layers)
+    passes, volumes, links, seconds = _communication(cfg, L, gpu, remat, seq, stage_layers, ex,
+                                                     n_state)
+
+    # expected step time
+    # What runs: a flash kernel skips the masked half of the scores, XLA's attention does not.
+    run_model, run_hfu = (f_model, f_hfu) if flash else (f_model_full, f_hfu_full)
+    step_flops = _step_flops(cfg, L, gpu, flash, seq, counts.layers, run_model, run_hfu)
+    bubble = comm.bubble_fraction(L.stage, L.microbatches, L.virtual_stages)
+    lockstep = _lockstep_bubble(cfg, L, remat, seq, stage_layers, ex)
+    losses = _step_losses(cfg, L, gpu, flash, seq, stage_layers, ex, step_flops, passes, links,
+                          seconds, lockstep, assumptions)
+    step = tuple(sum(v[i] for v in losses.values()) for i in (0, 1))
+
+    return Estimate(
+        gpu=gpu, layout=L, seq_len=seq, global_batch=L.global_batch, remat=remat_label(remat),
+        flash=flash, params_total=counts.total, params_non_embedding=counts.non_embedding,
+        params_local=n_local, stage_layers=stage_layers,
+        model_flops_per_token=f_model, hfu_flops_per_token=f_hfu,
+        model_flops_per_step=f_model * tokens, hfu_flops_per_step=f_hfu * tokens,
+        **memory_fields,
+        comm_bytes=volumes, comm_seconds=seconds, comm_links={k: v[0] for k, v in links.items()},
+        bubble=bubble, ideal_step_s=ideal, expected_step_s=step,
+        expected_mfu=(ideal / step[1], ideal / step[0]), losses=losses,
+        notes=_notes(cfg, L, gpu, flash, bubble),
+        executor=ex, lockstep_bubble=lockstep,
+        chunk_input_bytes=pipeline.chunk_input_bytes(cfg, L, seq) if ex else 0.0,
+        model_flops_per_step_full_attn=f_model_full * tokens,
+        hfu_flops_per_step_full_attn=f_hfu_full * tokens)
+
+
+def _memory_fields(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, flash: bool,
+                   seq: int, stage_layers: tuple, ex: pipeline.Executor | None, n_local: float,
+                   n_state: float) -> dict:
+    """The worst stage's bytes against the budget, as Estimate's memory fields (the stored
+    activations also under each of REMAT_VARIANTS)."""
+    L = layout
+
+    def activations(rm):
+        if ex is not None:
+            return memory.pipelined_activations(cfg, L, rm, flash, seq, ex)
+        return memory.stage_activations(cfg, L, rm, flash, seq, cfg.model.num_layers,
+                                        cfg.model.num_layers)
+
+    static = memory.static_bytes(cfg, L, n_local, n_state)
+    if ex is not None:
+        static["pipeline_weights"] = memory.pipeline_weight_bytes(cfg, L, remat, stage_layers,
+                                                                  ex.chunk_layers)
+    static_total = sum(static.values())
+    act = activations(remat)
+    reserve = memory.reserve_bytes(cfg, L, seq)
+    total = static_total + act.total + reserve
+    budget = memory.BUDGET_FRACTION * gpu.hbm_bytes
+    fits = total <= budget
+    terms = {"static": static_total, "activations": act.total, "reserve": reserve}
+    overflow = "" if fits else max(terms, key=terms.get)
+    return dict(
+        bytes_per_param=static_total / n_local, static_breakdown=static,
+        static_bytes=static_total, activation_bytes_per_layer=act.per_layer,
+        inflight_layer_microbatches=act.inflight, activation_bytes=act.total,
+        activation_bytes_by_remat={name: activations(rm).total
+                                   for name, rm in REMAT_VARIANTS.items()},
+        reserve_bytes=reserve, total_bytes=total, budget_bytes=budget, fits=fits,
+        overflow=overflow, reason=_fit_reason(terms, total, budget, gpu, overflow),
+        pipeline_buffer_bytes=act.buffers)
+
+
+def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, seq: int,
+                   stage_layers: tuple, ex: pipeline.Executor | None, n_state: float):
+    """Per device per step on the stage with the most layers: (the layer passes counted, bytes
+    of each kind, its (link name, bytes/s), its seconds on that link at full bandwidth)."""
+    L = layout
     recomputed = (flops.recomputed_layers(remat, stage_layers, L.virtual_stages)
-                  / m.num_layers if remat.granularity == "full" else 0.0)
+                  / cfg.model.num_layers if remat.granularity == "full" else 0.0)
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
     layer_local = memory.layer_params_local(cfg, L.tensor)
     volumes = {"dp": comm.dp_bytes(L, n_state),
@@ -223,23 +272,27 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
                + comm.fsdp_rest_bytes(cfg, L, seq),
                "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
                "vocab": comm.vocab_bytes(cfg, L),
+               # the forward passes full recompute adds: the backward reuses their K/V
                "cp": comm.cp_bytes(cfg, L, seq, passes, passes.forward - comm.layer_passes(
                    L, stage_layers, ex).forward)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
     seconds = {k: volumes[k] / links[k][1] for k in COMM_KINDS}
+    return passes, volumes, links, seconds
 
-    # expected step time
-    layer_flops = 6.0 * counts.layers * tokens
+
+def _step_flops(cfg: Config, layout: Layout, gpu: Gpu, flash: bool, seq: int,
+                layer_params: int, run_model: float, run_hfu: float) -> tuple:
+    """FLOPs per step as they run, by the rate they run at: (FP8 transformer-layer matmuls, the
+    rest at the compute dtype's peak, recompute). `run_*` are per token, attention counted as
+    the kernel runs it."""
+    m, L = cfg.model, layout
+    tokens = L.global_batch * seq
+    layer_flops = 6.0 * layer_params * tokens
     fp8_frac = 0.0
-    if cfg.fp8.enabled:
-        if gpu.fp8_flops:
-            fp8_layers = max(0, m.num_layers - cfg.fp8.bf16_first_layers - cfg.fp8.bf16_last_layers)
-            fp8_frac = fp8_layers / m.num_layers
-        else:
-            notes.append(f"{gpu.name} has no FP8 tensor cores: timed as bf16")
+    if cfg.fp8.enabled and gpu.fp8_flops:   # without FP8 tensor cores: timed as bf16 (_notes)
+        fp8_layers = max(0, m.num_layers - cfg.fp8.bf16_first_layers - cfg.fp8.bf16_last_layers)
+        fp8_frac = fp8_layers / m.num_layers
     fp8_flops_step = layer_flops * fp8_frac
-    # What runs: a flash kernel skips the masked half of the scores, XLA's attention does not.
-    run_model, run_hfu = (f_model, f_hfu) if flash else (f_model_full, f_hfu_full)
     rest_flops_step = run_model * tokens - fp8_flops_step
     recompute_step = (run_hfu - run_model) * tokens
     # The busiest context rank's extra attention (no causal load balancing), in compute.
@@ -247,14 +300,33 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
                                                   flash)
     rest_flops_step += ((imbalance - 1.0) * tokens
                         * flops.attention_flops_per_token(m, seq, causal=flash))
-    bubble = comm.bubble_fraction(L.stage, L.microbatches, L.virtual_stages)
-    lockstep = 0.0
-    if ex is not None:
-        # B over F per layer: a 2F backward + the remat config's recompute.
-        remat_per_fwd = (flops.recompute_flops_per_token(cfg, remat, stage_layers,
-                                                         L.virtual_stages, seq)
-                         / (m.num_layers * flops.layer_forward_flops_per_token(m, seq)))
-        lockstep = ex.bubble(2.0 + remat_per_fwd)
+    return fp8_flops_step, rest_flops_step, recompute_step
+
+
+def _lockstep_bubble(cfg: Config, layout: Layout, remat: RematConfig, seq: int,
+                     stage_layers: tuple, ex: pipeline.Executor | None) -> float:
+    """The executor's lock-step table's idle fraction (0 without stages)."""
+    if ex is None:
+        return 0.0
+    m, L = cfg.model, layout
+    # B over F per layer: a 2F backward + the remat config's recompute.
+    remat_per_fwd = (flops.recompute_flops_per_token(cfg, remat, stage_layers,
+                                                     L.virtual_stages, seq)
+                     / (m.num_layers * flops.layer_forward_flops_per_token(m, seq)))
+    return ex.bubble(2.0 + remat_per_fwd)
+
+
+def _step_losses(cfg: Config, layout: Layout, gpu: Gpu, flash: bool, seq: int,
+                 stage_layers: tuple, ex: pipeline.Executor | None, step_flops: tuple,
+                 passes: comm.Passes, links: dict, seconds: dict, lockstep: float,
+                 assumptions: Assumptions) -> dict:
+    """Each loss of the step time: name -> (optimistic s, pessimistic s); see the module
+    docstring. `step_flops` is _step_flops's (FP8, rest, recompute)."""
+    L = layout
+    fp8_flops_step, rest_flops_step, recompute_step = step_flops
+    peak = gpu.peak_flops(cfg.model.compute_dtype)
+    D = L.n_devices
+    layers_max = max(stage_layers)
     exposed = dict(assumptions.exposed)
     losses = {}
     for i, eff in enumerate(reversed(gpu.kernel_efficiency)):  # i=0 optimistic
@@ -278,34 +350,22 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
         parts["overhead"] = overhead
         for k, v in parts.items():
             losses.setdefault(k, [0.0, 0.0])[i] = v
-    losses = {k: tuple(v) for k, v in losses.items()}
-    step = tuple(sum(v[i] for v in losses.values()) for i in (0, 1))
+    return {k: tuple(v) for k, v in losses.items()}
+
+
+def _notes(cfg: Config, layout: Layout, gpu: Gpu, flash: bool, bubble: float) -> tuple:
+    """Warnings for describe(): what the figures assume or the layout wastes."""
+    L, notes = layout, []
+    if cfg.fp8.enabled and not gpu.fp8_flops:
+        notes.append(f"{gpu.name} has no FP8 tensor cores: timed as bf16")
     if L.stage > 1 and L.microbatches < L.stage:
         notes.append(f"{L.microbatches} microbatches for {L.stage} stages: the pipeline never "
                      f"fills (bubble {bubble:.0%}); raise the global batch or lower stage")
     if gpu.estimate:
         notes.append(f"'{gpu.name}' figures are a rough estimate, not a datasheet")
-    if not flash and m.attention == "auto":
+    if not flash and cfg.model.attention == "auto":
         notes.append("attention=auto on CPU: XLA attention, s×s scores stored")
-
-    return Estimate(
-        gpu=gpu, layout=L, seq_len=seq, global_batch=L.global_batch, remat=remat_label(remat),
-        flash=flash, params_total=counts.total, params_non_embedding=counts.non_embedding,
-        params_local=n_local, stage_layers=stage_layers,
-        model_flops_per_token=f_model, hfu_flops_per_token=f_hfu,
-        model_flops_per_step=f_model * tokens, hfu_flops_per_step=f_hfu * tokens,
-        bytes_per_param=static_total / n_local, static_breakdown=static,
-        static_bytes=static_total, activation_bytes_per_layer=act.per_layer,
-        inflight_layer_microbatches=act.inflight, activation_bytes=act.total,
-        activation_bytes_by_remat=by_remat, reserve_bytes=reserve, total_bytes=total,
-        budget_bytes=budget, fits=fits, overflow=overflow, reason=reason,
-        comm_bytes=volumes, comm_seconds=seconds, comm_links={k: v[0] for k, v in links.items()},
-        bubble=bubble, ideal_step_s=ideal, expected_step_s=step,
-        expected_mfu=(ideal / step[1], ideal / step[0]), losses=losses, notes=tuple(notes),
-        executor=ex, lockstep_bubble=lockstep, pipeline_buffer_bytes=act.buffers,
-        chunk_input_bytes=pipeline.chunk_input_bytes(cfg, L, seq) if ex else 0.0,
-        model_flops_per_step_full_attn=f_model_full * tokens,
-        hfu_flops_per_step_full_attn=f_hfu_full * tokens)
+    return tuple(notes)
 
 
 def _ring_exposed(cfg: Config, layout: Layout, seq: int, passes: comm.Passes, bandwidth: float,
