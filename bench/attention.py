@@ -31,8 +31,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain.pallas_kernels import block_counts, flash_attention  # noqa: E402
-from jaxtrain.pallas_kernels.flash_attention import _kernel_block_counts  # noqa: E402
+from jaxtrain.model.kernels import block_counts, flash_attention  # noqa: E402
+from jaxtrain.model.kernels.flash_attention import _kernel_block_counts  # noqa: E402
 
 IMPLS = ("pallas", "cudnn", "xla")
 

@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu python bench/comm_gpu.py [--layouts fsdp8_uniform1 ...] [--json OUT]
 
 The shapes of issue 13's comparison with MaxText: an 8-layer Llama 3 8B, fp32 masters, bf16
-compute, seq 4096, on 8 compile-only H100s (the real XLA:GPU compiler; jaxtrain.targets).
+compute, seq 4096, on 8 compile-only H100s (the real XLA:GPU compiler; jaxtrain.tools.targets).
 For each layout: ring wire bytes per step by kind and mesh axis, temporaries, collectives per
 layer per microbatch (inside the layer loop), and the static overlap (wire bytes with compute
 scheduled between an async collective's start and done).
@@ -19,8 +19,9 @@ from typing import Sequence
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxtrain import gpu_program, hlo, sharding, targets  # noqa: E402
-from jaxtrain.compile_step import compile_step  # noqa: E402
+from jaxtrain.parallel import sharding  # noqa: E402
+from jaxtrain.tools import gpu_program, hlo, targets  # noqa: E402
+from jaxtrain.tools.compile_step import compile_step  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 
 MODEL = ["--model.num_layers=8", "--train.seq_len=4096", "--model.attention=auto"]

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain import fp8 as fp8_lib  # noqa: E402
+from jaxtrain.model import fp8 as fp8_lib  # noqa: E402
 from jaxtrain.config import Fp8Config, load_config  # noqa: E402
 
 _F8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
@@ -83,8 +83,9 @@ def gemm_row(m: int, n: int, k: int, reps: int, cfg: Fp8Config) -> dict:
 
 
 def model_step(overrides: list[str], reps: int) -> dict:
-    from jaxtrain import sharding, step
-    from jaxtrain.remat_sweep import random_batch
+    from jaxtrain import step
+    from jaxtrain.parallel import sharding
+    from jaxtrain.tools.remat_sweep import random_batch
     out = {}
     for enabled in (False, True):
         cfg = load_config("configs/tiny.py", [*overrides, f"--fp8.enabled={str(enabled).lower()}",

@@ -13,7 +13,7 @@ Sections, each a list of rows in one table and one JSON (DIR/gpu_suite.json):
   model      a ~1B Llama's step time and MFU with each attention, and with FP8 on and off;
              device memory measured (peak bytes in use) vs compiled vs the ledger
   breakdown  a profiled run of the ~1B model through the trainer and its MFU breakdown
-             (jaxtrain.mfu_breakdown)
+             (jaxtrain.tools.mfu_breakdown)
 A section that does not fit the time budget, or cannot run here (cudnn off GPU), is listed
 with the reason; nothing is silently dropped. Results go to BENCHMARKS.md by hand, with the
 date, the device and this command.
@@ -37,12 +37,14 @@ import numpy as np  # noqa: E402
 
 import attention as attention_bench  # noqa: E402  (bench/attention.py)
 import fp8 as fp8_bench  # noqa: E402  (bench/fp8.py)
-from jaxtrain import hlo, sharding, step  # noqa: E402
+from jaxtrain import step  # noqa: E402
+from jaxtrain.parallel import sharding  # noqa: E402
+from jaxtrain.tools import hlo  # noqa: E402
 from jaxtrain.config import Fp8Config, load_config  # noqa: E402
 from jaxtrain.ledger import estimate, get_gpu, layout_from_config  # noqa: E402
 from jaxtrain.ledger.flops import mfu  # noqa: E402
 from jaxtrain.ledger.hardware import gpu_for_device_kind  # noqa: E402
-from jaxtrain.pallas_kernels import flash_attention, reference_attention  # noqa: E402
+from jaxtrain.model.kernels import flash_attention, reference_attention  # noqa: E402
 
 # ~1.2B parameters, Llama proportions: 16 layers of hidden 2048, seq 4096, 4 sequences.
 MODEL_1B = ["--model.hidden_size=2048", "--model.num_layers=16", "--model.num_heads=16",
@@ -134,7 +136,7 @@ def _peak(cfg) -> float:
 
 def model_row(overrides: list[str], label: str, reps: int) -> dict:
     """Step time, MFU and memory (measured, compiled, ledger) of one config on one device."""
-    from jaxtrain.remat_sweep import random_batch, zero_train_state
+    from jaxtrain.tools.remat_sweep import random_batch, zero_train_state
     cfg = load_config("configs/tiny.py", overrides)
     mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
     setup = step.build(cfg, mesh)
@@ -181,7 +183,7 @@ def model_rows(smoke: bool, budget: Budget) -> list[dict]:
 def breakdown_rows(smoke: bool, out_dir: pathlib.Path) -> list[dict]:
     """Train the ~1B model a few steps with a profile, then the MFU breakdown of the trace."""
     from jaxtrain import trainer
-    from jaxtrain.mfu_breakdown import breakdown
+    from jaxtrain.tools.mfu_breakdown import breakdown
     workdir = out_dir / "profiled_run"
     cfg = load_config("configs/tiny.py", [
         *(MODEL_SMOKE if smoke else MODEL_1B), "--model.attention=auto",

@@ -15,10 +15,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from jaxtrain import hlo, sharding, step  # noqa: E402
+from jaxtrain import step  # noqa: E402
+from jaxtrain.parallel import sharding  # noqa: E402
+from jaxtrain.tools import hlo  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.pipeline_schedule import build_schedule  # noqa: E402
-from jaxtrain.remat_sweep import random_batch  # noqa: E402
+from jaxtrain.parallel.pipeline_schedule import build_schedule  # noqa: E402
+from jaxtrain.tools.remat_sweep import random_batch  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
 

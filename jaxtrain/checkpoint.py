@@ -31,9 +31,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import layer_order
+from jaxtrain.parallel import layer_order
 from jaxtrain.config import CheckpointConfig, ConfigError
-from jaxtrain.layer_order import LayerOrder
+from jaxtrain.parallel.layer_order import LayerOrder
 
 LAYOUT_ITEM = "layout"
 FINGERPRINT_ITEM = "fingerprint"

@@ -3,7 +3,7 @@ then inspect, dry-run or train.
 
 Errors a user can cause (ConfigError and its subclasses) print one clear line and exit 2
 before anything expensive starts. Too few devices for the configured layout is one of them:
-the ledger's plan for the layout is printed first (jaxtrain.dry_run explains how the device
+the ledger's plan for the layout is printed first (jaxtrain.tools.dry_run explains how the device
 count of a layout with a -1 fill is chosen), and nothing is compiled or allocated.
 """
 from __future__ import annotations
@@ -49,8 +49,8 @@ def run(config_path: str, overrides, *, inspect_sharding: bool = False, dry_run:
     present; `target`: compile the dry run for that many compile-only GPUs of this kind."""
     import json
 
-    from jaxtrain import dry_run as dry_run_lib
-    from jaxtrain import targets
+    from jaxtrain.tools import dry_run as dry_run_lib
+    from jaxtrain.tools import targets
     from jaxtrain.ledger import get_gpu
     try:
         cfg = load_config(config_path, overrides)
@@ -77,7 +77,7 @@ def run(config_path: str, overrides, *, inspect_sharding: bool = False, dry_run:
             print(inspect(cfg))
             return 0
         from jaxtrain import trainer
-        from jaxtrain.mfu_breakdown import after_profile
+        from jaxtrain.tools.mfu_breakdown import after_profile
         trainer.train(resolve_auto_remat(cfg), on_profile=after_profile)
         return 0
     except ConfigError as e:
@@ -92,8 +92,8 @@ def resolve_auto_remat(cfg):
         return cfg
     import dataclasses
 
-    from jaxtrain import sharding
-    from jaxtrain.remat_sweep import choose_policy
+    from jaxtrain.parallel import sharding
+    from jaxtrain.tools.remat_sweep import choose_policy
     remat = choose_policy(cfg, sharding.make_mesh(cfg.parallel))
     print(f"remat.policy=auto chose {remat}", flush=True)
     return dataclasses.replace(cfg, remat=remat)
@@ -104,7 +104,7 @@ def check_devices(cfg, gpu, devices: int | None, config_name: str) -> None:
     cannot hold the configured layout; runs before any compile or allocation."""
     import jax
 
-    from jaxtrain import dry_run as dry_run_lib
+    from jaxtrain.tools import dry_run as dry_run_lib
     present = jax.device_count()
     if present < dry_run_lib.needed_devices(cfg, devices):
         planned = dry_run_lib.plan_devices(cfg, gpu, devices)
@@ -120,7 +120,8 @@ def check_devices(cfg, gpu, devices: int | None, config_name: str) -> None:
 def inspect(cfg) -> str:
     from flax import nnx
 
-    from jaxtrain import sharding, step
+    from jaxtrain import step
+    from jaxtrain.parallel import sharding
     mesh = sharding.make_mesh(cfg.parallel)
     setup = step.build(cfg, mesh)
     return sharding.describe(setup.logical, nnx.to_pure_dict(setup.abstract_state), mesh)

@@ -5,7 +5,7 @@ calling one another's `get_config()` and changing fields. Overrides are `section
 strings, parsed according to the field's type. `Config.validate()` checks everything that can
 be checked without devices; each error names the keys to change.
 
-This module imports nothing of ours (DESIGN.md §1).
+This module imports nothing of ours (docs/design.md §1).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where a run's numbers go: console line, metrics.jsonl, TensorBoard, a progress bar.
 
-Throughput figures (tokens/s, MFU, HFU) come from the ledger's formulas (DESIGN.md §5) over
+Throughput figures (tokens/s, MFU, HFU) come from the ledger's formulas (docs/design.md §5) over
 the device's nominal peak; on CPU the peak is an estimate and the log line says so. `mfu` and
 `hfu` count causal attention as half (Megatron's and MaxText's convention); `mfu_full_attn`
 and `hfu_full_attn` count the full s×s square.

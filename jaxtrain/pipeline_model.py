@@ -48,14 +48,14 @@ from flax import nnx
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import fp8 as fp8_lib
-from jaxtrain import model as model_lib
-from jaxtrain import pipeline as pl
-from jaxtrain import remat, sharding
+from jaxtrain.model import fp8 as fp8_lib
+from jaxtrain.model import llama as model_lib
+from jaxtrain.parallel import pipeline as pl
+from jaxtrain.parallel import remat, sharding
 from jaxtrain.ledger.layout import stage_layer_counts
-from jaxtrain.pipeline import PipelineError
+from jaxtrain.parallel.pipeline import PipelineError
 
-__all__ = ["PipelineModel", "build", "loss_and_grads", "pipelined_loss_and_grads", "eval_sums",
+__all__ = ["PipelineModel", "build", "loss_and_grads", "eval_sums",
            "split_microbatches"]
 
 CHUNK_AUX_KEYS = ("positions", "segment_ids")
@@ -269,7 +269,7 @@ def build(setup) -> PipelineModel:
 def split_microbatches(batch: dict, mesh, m: int) -> dict:
     """[B, ...] -> [m, B/m, ...] keeping each device's rows on it: row r of a device's block
     (B sharded over data x fsdp) goes to microbatch r % m."""
-    n = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    n = sharding.batch_row_shards(mesh)
     spec = sharding.batch_spec(mesh)
 
     def one(a):
@@ -303,11 +303,6 @@ def loss_and_grads(setup):
             meta_grad = jax.tree.map(lambda g: g * scale, meta_grad)
         return loss * scale, tokens, grads, meta_grad
     return fn
-
-
-def pipelined_loss_and_grads(setup, params, batch):
-    """(loss, tokens, grads) of one global batch, as step.loss_and_grads(setup)(params, batch)."""
-    return loss_and_grads(setup)(params, batch)[:3]
 
 
 def eval_sums(setup):

@@ -27,18 +27,20 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain import attention as attention_lib
-from jaxtrain import context_attention
-from jaxtrain import fp8 as fp8_lib
-from jaxtrain import layer_order
-from jaxtrain import model as model_lib
-from jaxtrain import optim, pipeline_model, remat, sharding, weights, xla_flags
+from jaxtrain.model import attention as attention_lib
+from jaxtrain.parallel import context_attention
+from jaxtrain.model import fp8 as fp8_lib
+from jaxtrain.parallel import layer_order
+from jaxtrain.model import llama as model_lib
+from jaxtrain import optim, weights, xla_flags
+from jaxtrain import pipeline_model
+from jaxtrain.parallel import remat, sharding
 from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.ledger.memory import padded_vocab
-from jaxtrain.layer_order import LayerOrder
-from jaxtrain.pipeline import chunk_layer_counts
+from jaxtrain.parallel.layer_order import LayerOrder
+from jaxtrain.parallel.pipeline import chunk_layer_counts
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -307,10 +309,10 @@ def per_replica(setup: Setup, fn):
     def body(params, meta, rows):
         return jax.tree.map(lambda a: a[None], fn(params, meta, rows))
     mesh = setup.mesh
-    manual = tuple(a for a in ("data", "context") if mesh.shape[a] > 1)
+    manual = sharding.replica_axes(mesh)
     if not manual:
         return body
-    rows = P(*(a if mesh.shape[a] > 1 else None for a in ("data", "context")))
+    rows = sharding.replica_rows_spec(mesh)
     stacked = P(manual[0] if len(manual) == 1 else manual)
     return jax.shard_map(body, mesh=mesh, axis_names=set(manual), in_specs=(P(), P(), rows),
                          out_specs=stacked, check_vma=False)

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from jaxtrain import data as data_lib
-from jaxtrain import sharding, step as step_lib, weights
+from jaxtrain import step as step_lib, weights
+from jaxtrain.parallel import sharding
 from jaxtrain.checkpoint import Checkpointer, check_fresh_start
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.metrics import DATA_SPAN, MetricsWriter, Throughput, device_memory_gb
@@ -70,7 +71,7 @@ def pipeline_summary(cfg: Config, stages: int) -> str:
     """The configured schedule's bubble (ledger) and static in-flight bound (simulator)."""
     from jaxtrain.ledger import bubble_fraction
     from jaxtrain.ledger.layout import stage_layer_counts
-    from jaxtrain.pipeline_schedule import build_schedule
+    from jaxtrain.parallel.pipeline_schedule import build_schedule
     p, v, m = stages, cfg.parallel.virtual_stages, cfg.parallel.microbatches
     schedule = build_schedule(cfg.parallel.schedule, p, m, v)
     return (f"pipeline: {cfg.parallel.schedule} stages={p} virtual={v} microbatches={m}; layers "

@@ -20,9 +20,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def h100():
-    """`h100(n)`: n compile-only H100s (jaxtrain.targets). Tests that take it carry the
+    """`h100(n)`: n compile-only H100s (jaxtrain.tools.targets). Tests that take it carry the
     gpu_compile marker; without the gpu-compile extra they fail saying how to install it."""
-    from jaxtrain import targets
+    from jaxtrain.tools import targets
     try:
         targets.check_available()
     except targets.TargetError as err:

@@ -13,7 +13,9 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxtrain import attention, context_attention, sharding, step
+from jaxtrain import step
+from jaxtrain.model import attention
+from jaxtrain.parallel import context_attention, sharding
 from jaxtrain.config import ModelConfig
 from util import random_batch, tiny_config
 

@@ -1,6 +1,6 @@
-"""The compiled train step moves the bytes the ledger says it does (DESIGN.md §5, §6).
+"""The compiled train step moves the bytes the ledger says it does (docs/design.md §5, §6).
 
-Measured: `jaxtrain.hlo` reading the optimized, partitioned HLO of `step.make_train_step`.
+Measured: `jaxtrain.tools.hlo` reading the optimized, partitioned HLO of `step.make_train_step`.
 Expected: `jaxtrain.ledger.comm`'s formulas evaluated with this model's sizes, plus the terms
 the formulas leave out, each derived below from the model's shapes (never from a measurement).
 
@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxtrain import hlo, hlo_module, sharding, step
+from jaxtrain import step
+from jaxtrain.parallel import sharding
+from jaxtrain.tools import hlo, hlo_module
 from jaxtrain.ledger import comm
 from jaxtrain.ledger.layout import layout_from_config
 from test_parallel import LAYOUTS

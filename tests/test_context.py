@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import context_attention, data, sharding, step, trainer
+from jaxtrain import data, step, trainer
+from jaxtrain.parallel import context_attention, sharding
 from jaxtrain.config import ConfigError
 from jaxtrain.data.context import context_order, reorder_batch, restore_order
 from jaxtrain.ledger.layout import LayoutError
@@ -208,7 +209,7 @@ def test_a_context_degree_that_does_not_divide_the_devices_fails_before_compilin
 def test_a_strategy_the_core_lacks_is_refused_by_the_attention_itself():
     mesh = sharding.make_mesh(tiny_config("--parallel.context=2", "--parallel.data=-1").parallel,
                               jax.devices()[:2])
-    from jaxtrain import attention
+    from jaxtrain.model import attention
     with pytest.raises(context_attention.ContextAttentionError,
                        match="ring is not supported by model.attention=cudnn"):
         sharding.shard_attention(attention.cudnn_attention, mesh,

@@ -8,7 +8,8 @@ import time
 import jax
 import pytest
 
-from jaxtrain import dry_run, step, trainer
+from jaxtrain import step, trainer
+from jaxtrain.tools import dry_run
 from jaxtrain.config import load_config
 from jaxtrain.ledger import GiB
 from util import tiny_config

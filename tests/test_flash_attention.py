@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxtrain.pallas_kernels import (FlashAttentionError, block_counts, flash_attention,
+from jaxtrain.model.kernels import (FlashAttentionError, block_counts, flash_attention,
                                      flash_attention_backward, reference_attention)
-from jaxtrain.pallas_kernels.flash_attention import _kernel_block_counts
+from jaxtrain.model.kernels.flash_attention import _kernel_block_counts
 
 
 def _inputs(seed, B, S, H, K, D, dtype=jnp.float32):

@@ -10,7 +10,7 @@ import flax.linen as nn
 from flax.linen import fp8_ops
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import fp8
+from jaxtrain.model import fp8
 from jaxtrain.config import ConfigError, Fp8Config
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0

@@ -7,7 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import compat, fp8, remat, sharding, step, trainer
+from jaxtrain import compat, step, trainer
+from jaxtrain.model import fp8
+from jaxtrain.parallel import remat, sharding
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import CheckpointConfig, ConfigError, RematConfig
 from util import random_batch, tiny_config

@@ -1,4 +1,4 @@
-"""The real XLA:GPU compiler on compile-only H100s (jaxtrain.targets): what a GPU would run.
+"""The real XLA:GPU compiler on compile-only H100s (jaxtrain.tools.targets): what a GPU would run.
 
 Nothing executes. These read what only the GPU program has: which attention kernel runs at
 every pipeline depth, cuBLASLt FP8 GEMMs and their result types, each Pallas kernel's
@@ -14,12 +14,14 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxtrain import fp8, gpu_program, hlo, hlo_module, pipeline_flops, sharding
-from jaxtrain.compile_step import compile_step
+from jaxtrain.model import fp8
+from jaxtrain.parallel import sharding
+from jaxtrain.tools import gpu_program, hlo, hlo_module, pipeline_flops
+from jaxtrain.tools.compile_step import compile_step
 from jaxtrain.config import load_config
 from jaxtrain.ledger import comm, estimate, layout_from_config
 from jaxtrain.ledger.memory import workspace_bytes
-from jaxtrain.pallas_kernels import flash_attention
+from jaxtrain.model.kernels import flash_attention
 from util import tiny_config
 
 pytestmark = pytest.mark.gpu_compile
@@ -222,7 +224,7 @@ def test_a_layout_that_does_not_fit_is_compiled_and_says_by_how_much(capsys, h10
 
 def _executed(out):
     s = out.setup.cfg.parallel
-    from jaxtrain.pipeline_schedule import build_schedule
+    from jaxtrain.parallel.pipeline_schedule import build_schedule
     table = build_schedule(s.schedule, out.mesh.shape["stage"], s.microbatches,
                            s.virtual_stages).table
     return pipeline_flops.executed_matmul_flops(out.text, table.columns, out.mesh.shape["stage"],

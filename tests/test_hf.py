@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import hf, weights
-from jaxtrain import model as model_lib
+from jaxtrain import weights
+from jaxtrain.tools import hf
+from jaxtrain.model import llama as model_lib
 from jaxtrain.config import CheckpointConfig, Config, ModelConfig, RopeScaling, load_recipe
 
 torch = pytest.importorskip("torch")
@@ -294,7 +295,8 @@ def test_cli_module_runs(tmp_path):
 def test_export_from_training_checkpoint_and_train_state(tmp_path):
     """A trainer workdir (config.json + orbax checkpoints of a padded-vocab state) exports, and
     imported params become a train state on the setup's mesh and shardings."""
-    from jaxtrain import sharding, step as step_lib
+    from jaxtrain import step as step_lib
+    from jaxtrain.parallel import sharding
     from jaxtrain.checkpoint import Checkpointer
     cfg = Config(model=ModelConfig(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4,
                                    num_kv_heads=2, mlp_size=64, max_seq_len=64,

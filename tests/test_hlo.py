@@ -1,4 +1,4 @@
-"""jaxtrain.hlo: collectives, FLOPs and memory read from compiled steps (8 fake CPU devices)."""
+"""jaxtrain.tools.hlo: collectives, FLOPs and memory read from compiled steps (8 fake CPU devices)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import hlo, hlo_module
+from jaxtrain.tools import hlo, hlo_module
 
 
 def _mesh(shape, names):

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import layer_order
-from jaxtrain.layer_order import PAD, LayerOrder
+from jaxtrain.parallel import layer_order
+from jaxtrain.parallel.layer_order import PAD, LayerOrder
 
 
 def test_chunk_order_puts_each_ranks_chunks_together():
@@ -54,7 +54,8 @@ def test_imported_weights_land_in_their_chunk_rows():
     import jax
     from flax import nnx
 
-    from jaxtrain import sharding, step
+    from jaxtrain import step
+    from jaxtrain.parallel import sharding
     from util import tiny_config
     cfg = tiny_config("--model.num_layers=4", "--parallel.stage=2", "--parallel.virtual_stages=2",
                       "--parallel.schedule=interleaved_1f1b", "--parallel.microbatches=2",

@@ -1,4 +1,4 @@
-"""The ledger against hand-computed numbers (DESIGN.md §5). Pure Python, milliseconds."""
+"""The ledger against hand-computed numbers (docs/design.md §5). Pure Python, milliseconds."""
 import dataclasses
 import pathlib
 import subprocess
@@ -86,7 +86,7 @@ def test_hfu_flops_follow_remat():
         ledger.recompute_flops_per_token(
             cfg, RematConfig(granularity="selective", modules=("attention_blob",)))
     # every module the trainer accepts is priced (core_attn_out once crashed the HFU metric)
-    from jaxtrain.remat import MODULES
+    from jaxtrain.parallel.remat import MODULES
     for mod in MODULES:
         ledger.recompute_flops_per_token(cfg, RematConfig(granularity="selective",
                                                           modules=(mod,)))
@@ -365,7 +365,7 @@ def test_describe_and_speed():
 
 
 def test_ledger_imports_without_jax():
-    code = ("import sys, jaxtrain.ledger, jaxtrain.plan; "
+    code = ("import sys, jaxtrain.ledger, jaxtrain.tools.plan; "
             "assert 'jax' not in sys.modules, 'ledger pulled in jax'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

@@ -17,9 +17,11 @@ import pytest
 
 import jax
 
-from jaxtrain import hlo, sharding, step
+from jaxtrain import step
+from jaxtrain.parallel import sharding
+from jaxtrain.tools import hlo
 from jaxtrain.config import Config, ModelConfig, TrainConfig
-from jaxtrain.compile_step import CPU_COMPILER_OPTIONS, abstract_batch
+from jaxtrain.tools.compile_step import CPU_COMPILER_OPTIONS, abstract_batch
 from jaxtrain.ledger import estimate, layout_from_config
 from jaxtrain.ledger.flops import param_counts
 

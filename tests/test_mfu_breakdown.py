@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from jaxtrain import mfu_breakdown as mb
-from jaxtrain import profile_trace as pt
+from jaxtrain.tools import mfu_breakdown as mb
+from jaxtrain.tools import profile_trace as pt
 from jaxtrain.ledger import estimate, layout_from_config
 from jaxtrain.ledger.flops import model_flops_per_token, tokens_per_step
 from util import tiny_config
@@ -268,7 +268,7 @@ def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
     assert set(bd.mean.exposed_by_axis) <= {"data"}
     assert bd.gemms and bd.mean.kernel_split is not None
     # the compiled step's matmul FLOPs all show up as GEMMs on each device, every step
-    from jaxtrain import hlo
+    from jaxtrain.tools import hlo
     per_step = hlo.matmul_flops_from_text((files[0].parent / pt.HLO_FILE).read_text())
     counted = sum(g["count"] for g in bd.gemms)
     assert counted > 0 and sum(

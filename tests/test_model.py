@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain import model as model_lib
+from jaxtrain.model import llama as model_lib
 from jaxtrain.config import ModelConfig, RopeScaling
 
 CFG = ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -56,7 +56,7 @@ def test_packed_documents_do_not_attend_across_the_boundary():
 
 def test_params_carry_logical_axes_and_stack_layers():
     _, state = nnx.split(nnx.eval_shape(lambda: model_lib.Llama(CFG, rngs=nnx.Rngs(0))))
-    from jaxtrain.sharding import logical_axes
+    from jaxtrain.parallel.sharding import logical_axes
     axes = logical_axes(state)
     assert tuple(axes["blocks"]["attn"]["wq"]["kernel"]) == ("layers", "embed", "heads", "head_dim")
     assert tuple(axes["embed"]) == ("vocab", "embed")

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import sharding, step, trainer
+from jaxtrain import step, trainer
+from jaxtrain.parallel import sharding
 from jaxtrain.config import load_config
 from jaxtrain.ledger.layout import LayoutError
 from util import random_batch, tiny_config

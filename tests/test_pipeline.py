@@ -18,8 +18,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import hlo
-from jaxtrain import pipeline as pl
+from jaxtrain.tools import hlo
+from jaxtrain.parallel import pipeline as pl
 
 E, D, F, C, B, S = 3, 8, 16, 5, 4, 2     # raw input, model, mlp, classes, batch, seq
 V = 11                                  # vocab of the token-input variant
@@ -361,7 +361,7 @@ def test_chunk_program_stashes_what_depends_on_the_microbatch_only():
     (here rounded, as an FP8 cast would) is recomputed by the B, never stashed; the
     activations are. Forward + stashed backward equal jax.vjp; under a checkpoint per layer
     only each layer's input is stashed."""
-    from jaxtrain.pipeline_stash import chunk_program
+    from jaxtrain.parallel.pipeline_stash import chunk_program
     L = 3
     params, raw, _ = make_model(L, 1)
     x = raw[0] @ params["embed"]

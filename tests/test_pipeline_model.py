@@ -13,8 +13,11 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxtrain import hlo, layer_order, pipeline_flops, pipeline_model, sharding, step
-from jaxtrain.layer_order import LayerOrder
+from jaxtrain import step
+from jaxtrain import pipeline_model
+from jaxtrain.parallel import layer_order, sharding
+from jaxtrain.tools import hlo, pipeline_flops
+from jaxtrain.parallel.layer_order import LayerOrder
 from util import random_batch, tiny_config
 
 BASE = ("--model.vocab_size=512", "--model.num_layers=4", "--train.global_batch=16",

@@ -4,7 +4,8 @@ import pathlib
 
 import pytest
 
-from jaxtrain import ledger, plan
+from jaxtrain import ledger
+from jaxtrain.tools import plan
 from jaxtrain.config import load_recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

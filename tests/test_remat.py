@@ -10,8 +10,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxtrain import hlo, remat, remat_sweep, sharding, step
-from jaxtrain import model as model_lib
+from jaxtrain import step
+from jaxtrain.parallel import remat, sharding
+from jaxtrain.tools import hlo, remat_sweep
+from jaxtrain.model import llama as model_lib
 from jaxtrain.config import ParallelConfig, RematConfig
 from util import random_batch, tiny_config
 
@@ -293,7 +295,7 @@ def test_auto_tries_the_least_recompute_first_and_takes_the_first_that_fits(
     mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
     shuffled = [remat.parse(p) for p in ("uniform:1", "block:4", "none", "block:2",
                                          "selective:core_attn")]
-    with caplog.at_level("INFO", logger="jaxtrain.remat"):
+    with caplog.at_level("INFO", logger="jaxtrain.parallel.remat"):
         chosen = remat_sweep.choose_policy(cfg, mesh, candidates=shuffled)
     assert remat.label(chosen) == "block:4" and chosen.policy == ""
     assert compiled == ["none", "selective:core_attn", "block:2", "block:4"]

@@ -5,7 +5,8 @@ import shutil
 import numpy as np
 import pytest
 
-from jaxtrain import hf, trainer
+from jaxtrain import trainer
+from jaxtrain.tools import hf
 from jaxtrain.checkpoint import CheckpointMismatchError, read_layer_order, read_saved_params
 from jaxtrain.config import ConfigError, derive
 from util import tiny_config

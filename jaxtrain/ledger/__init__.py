@@ -1,6 +1,6 @@
 """The ledger: pure arithmetic over a Config (no jax) for FLOPs, MFU/HFU, memory, communication
-and the expected step time of a parallel layout (DESIGN.md §5). With pipeline stages it models
-jaxtrain's lock-step executor (`ledger.pipeline`). `jaxtrain.plan` searches layouts with it;
+and the expected step time of a parallel layout (docs/design.md §5). With pipeline stages it models
+jaxtrain's lock-step executor (`ledger.pipeline`). `jaxtrain.tools.plan` searches layouts with it;
 the trainer uses `mfu`/`hfu` and `describe(estimate(...))`; the dry run compares it with XLA."""
 from jaxtrain.ledger.comm import bubble_fraction
 from jaxtrain.ledger.estimate import (Assumptions, Estimate, REMAT_VARIANTS, describe, estimate,

@@ -1,6 +1,6 @@
 """Communication volume per device per step, the link each axis rides on, and the bubble.
 
-Conventions (DESIGN.md §5), N_local = parameters one device holds after TP and PP:
+Conventions (docs/design.md §5), N_local = parameters one device holds after TP and PP:
 - DP (ZeRO-1 or plain): reduce-scatter grads + all-gather params ≈ 2·N_local·2 bytes (bf16
   reduction, Megatron's --grad-reduce-in-bf16); with FSDP the shard N_local/fsdp is reduced.
 - Layer collectives are counted per layer pass (`Passes`: forward and backward passes of one

@@ -1,6 +1,6 @@
 """Parameter counts, model FLOPs (Megatron/MaxText convention), recompute FLOPs, MFU and HFU.
 
-Model FLOPs per token = 6·N + 6·L·(H·E)·s (DESIGN.md §5): N counts every parameter except
+Model FLOPs per token = 6·N + 6·L·(H·E)·s (docs/design.md §5): N counts every parameter except
 the input embedding (the lm_head is a matmul, so it counts; with tied embeddings the one table
 is the lm_head and N equals the total), H·E is the query width (the hidden size for Llama),
 s the sequence length. The attention term counts the causal half of the s×s products, as
@@ -80,7 +80,7 @@ def model_flops_per_token(cfg: Config, seq_len: int | None = None, *,
 
 
 # Forward FLOPs per token per layer that recomputing each tagged activation re-runs
-# (DESIGN.md §3 tags; "mlp" and "layernorm" are Megatron's --recompute-modules names).
+# (docs/design.md §3 tags; "mlp" and "layernorm" are Megatron's --recompute-modules names).
 # Norms, RoPE and the SwiGLU product are elementwise: not counted, as in model FLOPs.
 def _module_flops(model: ModelConfig, seq_len: int, causal: bool) -> dict[str, float]:
     h, E, F = model.hidden_size, model.resolved_head_dim, model.mlp_size

@@ -1,4 +1,4 @@
-"""Nominal accelerator figures (DESIGN.md §5) and the lookups the trainer and planner use.
+"""Nominal accelerator figures (docs/design.md §5) and the lookups the trainer and planner use.
 
 Peaks are dense (no sparsity) tensor-core rates. Device memory is binary (an H100 has 80 GiB),
 so every memory figure in the ledger is in GiB; link bandwidths are decimal (450 GB/s), so

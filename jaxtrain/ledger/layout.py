@@ -1,7 +1,7 @@
 """The parallel layout the ledger reasons about: mesh degrees plus how a step is split.
 
 `layout_from_config` resolves the config's -1 fill and derives the micro-batch size
-(DESIGN.md §3: global_batch = data·fsdp × micro_batch × microbatches); `validate_layout`
+(docs/design.md §3: global_batch = data·fsdp × micro_batch × microbatches); `validate_layout`
 checks everything that must divide, with messages that name the keys to change.
 """
 from __future__ import annotations

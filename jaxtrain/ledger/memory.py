@@ -1,6 +1,6 @@
 """Theoretical memory per device: static state, in-flight activations, workspace reserve.
 
-Conventions (DESIGN.md §5):
+Conventions (docs/design.md §5):
 - Static: bf16 param 2 + fp32 grad accumulator 4 (+ 2 for one microbatch's bf16 gradient
   when microbatches accumulate unpipelined) + fp32 master 4 + Adam m 4 + v 4 bytes per
   parameter held; ZeRO-1 divides the 12 optimizer bytes by data (x context), FSDP divides all
@@ -41,7 +41,7 @@ from jaxtrain.ledger.pipeline import DTYPE_BYTES, Executor, chunk_input_bytes
 BUDGET_FRACTION = 0.9
 SCORE_MARGIN = 1.2
 # cuBLAS/NCCL workspaces and XLA temporaries at h = 8192; with the fp32 logits term below this
-# gives DESIGN.md's 8 GB reserve at 70B scale, and it shrinks with the hidden size.
+# gives docs/design.md's 8 GB reserve at 70B scale, and it shrinks with the hidden size.
 _WORKSPACE_AT_8K = 6 * GiB
 _WORKSPACE_FLOOR = 0.25 * GiB
 
@@ -70,7 +70,7 @@ def held_bytes_per_param(layout: Layout) -> dict[str, float]:
 
 
 def padded_vocab(vocab_size: int, tensor: int) -> int:
-    """Megatron's make-vocab-size-divisible-by (128·t), as jaxtrain.sharding pads."""
+    """Megatron's make-vocab-size-divisible-by (128·t), as jaxtrain.parallel.sharding pads."""
     multiple = 128 * tensor
     return -(-vocab_size // multiple) * multiple
 

@@ -4,7 +4,7 @@ A schedule says, for each pipeline rank, in which order it runs forward (F) and 
 ops on (virtual stage, microbatch) pairs. Rank r owns virtual stages g = j*p + r (j < v), so
 an activation always moves one rank to the right and a cotangent one rank to the left.
 
-The executor (jaxtrain.pipeline) is one SPMD program: every rank advances one step at a time,
+The executor (jaxtrain.parallel.pipeline) is one SPMD program: every rank advances one step at a time,
 so each order is simulated here, in Python, into a table of steps. A step holds at most one F
 and one B per rank ("fused" steps, like JaxPP's fuse_steady_state): in the steady state every
 rank does F+B together, which keeps lock-step from inflating the bubble when B costs more than

@@ -8,7 +8,7 @@ back (the profiler stops after the last profiled step finishes; executions befor
 marker were dispatched before the trace began). Its window runs from the end of the previous
 execution to the end of its own, so the device's wait before a step is charged to that step.
 Without run ids, device work belongs to the marker of its launch (correlation ids, torch) or
-of its start time. `measure` is the sweep (rules in jaxtrain.mfu_breakdown).
+of its start time. `measure` is the sweep (rules in jaxtrain.tools.mfu_breakdown).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from jaxtrain import profile_trace as pt
+from jaxtrain.tools import profile_trace as pt
 from jaxtrain.metrics import DATA_SPAN  # the trainer's span around fetching a batch
 
 _DERIVED_LINES = {"Steps", "XLA Modules", "XLA Ops", "Async XLA Ops", "Framework Name Scope",

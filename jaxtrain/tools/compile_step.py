@@ -1,7 +1,7 @@
 """Compile the real train step from abstract state: nothing is allocated, nothing runs.
 
 Shared by the dry run and the remat sweep. The devices are the ones present, or compile-only
-GPUs of a target (`jaxtrain.targets`): then the compiler is XLA:GPU, and what it emits is
+GPUs of a target (`jaxtrain.tools.targets`): then the compiler is XLA:GPU, and what it emits is
 what a GPU would run (cuBLASLt/Triton GEMMs, async collectives, Pallas kernels for sm_90a).
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import sharding, step
+from jaxtrain import step
+from jaxtrain.parallel import sharding
 from jaxtrain.config import Config
 
 # The CPU backend's LLVM optimisation level changes code speed, not the HLO: buffer sizes,

@@ -4,7 +4,7 @@ Inputs are [B, S, H, E] queries and [B, S, K, E] keys/values with H a multiple o
 h reads KV head h // (H/K). Implementations:
 
 - `xla`: plain jnp, partitioned by GSPMD like the rest of the model (the reference, the CPU path).
-- `pallas`: our flash kernel (jaxtrain.pallas_kernels); Pallas interpret mode off GPU.
+- `pallas`: our flash kernel (jaxtrain.model.kernels); Pallas interpret mode off GPU.
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs, bf16/fp16.
 
 A kernel is an opaque custom call that GSPMD cannot split, so on a mesh `pallas` and `cudnn`
@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.pallas_kernels import FlashAttentionError, flash_attention
+from jaxtrain.model.kernels import FlashAttentionError, flash_attention
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 # cuDNN's fused attention (jax/_src/cudnn/fused_attention_stablehlo.py): half precision only,

@@ -2,7 +2,7 @@
 graph with how often each computation runs (while loops' trip counts, including those XLA:GPU's
 collective pipelining rewrote).
 
-`jaxtrain.hlo` (collectives, FLOPs, memory) and `jaxtrain.gpu_program` read compiled steps
+`jaxtrain.tools.hlo` (collectives, FLOPs, memory) and `jaxtrain.tools.gpu_program` read compiled steps
 through this; it knows nothing of meshes.
 """
 

@@ -1,5 +1,5 @@
 """The MFU breakdown's result: per-step terms, the ledger's budget, and their table, JSON and
-stacked-bar PNG (jaxtrain.mfu_breakdown computes them)."""
+stacked-bar PNG (jaxtrain.tools.mfu_breakdown computes them)."""
 from __future__ import annotations
 
 import dataclasses

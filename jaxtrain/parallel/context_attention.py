@@ -39,8 +39,9 @@ import numpy as np
 
 from jaxtrain.config import CONTEXT_STRATEGIES, ConfigError
 from jaxtrain.data.context import context_order
+from jaxtrain.parallel import sharding
 
-AXIS = "context"
+AXIS = sharding.CONTEXT
 
 
 class ContextAttentionError(ConfigError):
@@ -125,7 +126,7 @@ XLA_BLOCKS = BlockOps(xla_block_forward, xla_block_backward)
 
 
 def pallas_blocks(interpret: bool) -> BlockOps:
-    from jaxtrain.pallas_kernels import flash_attention, flash_attention_backward
+    from jaxtrain.model.kernels import flash_attention, flash_attention_backward
 
     def forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos):
         return flash_attention(q, k, v, (q_seg, kv_seg), positions=(q_pos, kv_pos),
@@ -266,7 +267,7 @@ def ring_attention(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
 
 def core_name(core) -> str:
     """'xla', 'pallas' or 'cudnn' for an attention core of attention.select."""
-    from jaxtrain import attention as attention_lib
+    from jaxtrain.model import attention as attention_lib
     if core is attention_lib.xla_attention:
         return "xla"
     if isinstance(core, attention_lib.PallasAttention):

@@ -1,6 +1,6 @@
 """Llama 3 decoder in Flax NNX: embed -> scan(Block) -> norm -> lm_head.
 
-The maths only. Every parameter carries logical axis names (DESIGN.md §3) and never a mesh
+The maths only. Every parameter carries logical axis names (docs/design.md §3) and never a mesh
 axis; activation sharding goes through the injected `constrain(x, logical_names)`, which is the
 identity unless `sharding` provides one. Every projection matmul goes through one injectable
 `dot_general`. Activations carry `checkpoint_name` tags that `remat` policies refer to.
@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain import attention as attention_lib
-from jaxtrain import fp8 as fp8_lib
+from jaxtrain.model import attention as attention_lib
+from jaxtrain.model import fp8 as fp8_lib
 from jaxtrain.config import ModelConfig
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]

@@ -1,6 +1,6 @@
 """Read a compiled step: collectives by kind and mesh axis, FLOPs, memory.
 
-This is the measured side of the ledger (DESIGN.md §5). Everything here works on
+This is the measured side of the ledger (docs/design.md §5). Everything here works on
 `compiled.as_text()` (the optimized, SPMD-partitioned HLO of one device), so the numbers are
 what the compiler actually emitted, not what the sharding annotations suggest.
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.hlo_module import (Computation, HloError, HloParseError, Instr, callees, ints,
+from jaxtrain.tools.hlo_module import (Computation, HloError, HloParseError, Instr, callees, ints,
                                  parsed, shape_bytes)
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

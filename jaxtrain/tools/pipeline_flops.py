@@ -17,8 +17,8 @@ import re
 
 import numpy as np
 
-from jaxtrain import hlo, hlo_module
-from jaxtrain.pipeline_executor import B_SCOPE, F_SCOPE
+from jaxtrain.tools import hlo, hlo_module
+from jaxtrain.parallel.pipeline_executor import B_SCOPE, F_SCOPE
 
 _OP_NAME_RE = re.compile(r'^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\bop_name="([^"]*)"')
 
@@ -106,6 +106,6 @@ def executed_matmul_flops(text: str, columns: dict, stages: int,
 def for_step(text: str, ex) -> ExecutedFlops:
     """executed_matmul_flops of a compiled train step whose schedule is the ledger's
     Executor `ex` (its table is rebuilt from the schedule)."""
-    from jaxtrain.pipeline_schedule import build_schedule
+    from jaxtrain.parallel.pipeline_schedule import build_schedule
     table = build_schedule(ex.schedule, ex.stages, ex.microbatches, ex.virtual_stages).table
     return executed_matmul_flops(text, table.columns, ex.stages, ex.virtual_stages)

@@ -69,7 +69,7 @@ from jaxtrain.ledger.layout import layers_per_chunk, layout_from_config, tensor_
 from jaxtrain.ledger.pipeline import RECEIVE_BUFFERS
 
 if TYPE_CHECKING:
-    from jaxtrain import gpu_program, pipeline_flops
+    from jaxtrain.tools import gpu_program, pipeline_flops
 
 DEGREES = ("tensor", "stage", "data", "fsdp", "context")
 
@@ -194,7 +194,7 @@ def _context_ok(cfg: Config, c: int) -> bool:
 
 def runs_as_is(cfg: Config, n: int) -> bool:
     """True when the trainer accepts the configured layout on n devices."""
-    from jaxtrain import sharding
+    from jaxtrain.parallel import sharding
     try:
         sharding.validate_layout(cfg, n)
         return True
@@ -211,7 +211,7 @@ def _uneven_configured(cfg: Config, P: Layout) -> bool:
 def _split_problem(cfg: Config, stage: int, virtual: int, uneven: bool) -> str:
     """'' when `stage` x `virtual` chunks split the layers as the config needs (its uneven
     first/last stages when `uneven`, else evenly) into chunks its remat groups fit; else why not."""
-    from jaxtrain import remat
+    from jaxtrain.parallel import remat
     edits = dict(stage=stage, virtual_stages=virtual)
     if not uneven:
         edits.update(first_stage_layers=0, last_stage_layers=0)
@@ -243,7 +243,7 @@ def scale_to_devices(cfg: Config, planned: Planned, n: int) -> tuple[Config, lis
         return cfg, []
     if planned.layout is None:
         raise LayoutError(f"cannot scale the configured layout to {n} devices: {planned.error}")
-    from jaxtrain import sharding
+    from jaxtrain.parallel import sharding
     out, changes = _scaled(cfg, planned, n)
     out.validate()
     sharding.validate_layout(out, n)
@@ -388,7 +388,7 @@ class DryRun:
 
     def comm_by_axes(self) -> dict[tuple, tuple[float | None, float | None]]:
         """axes -> (ledger bytes, compiled wire bytes) per device per step."""
-        from jaxtrain import hlo
+        from jaxtrain.tools import hlo
         compiled: dict = {}
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
             compiled[axes] = compiled.get(axes, 0.0) + b
@@ -439,7 +439,7 @@ class DryRun:
         return out
 
     def format(self) -> str:
-        from jaxtrain import hlo
+        from jaxtrain.tools import hlo
         e, L, mem, ex = self.estimate, self.estimate.layout, self.memory, self.executor
         out = [format_planned(self.planned, self.config_name), ""]
         out.append(f"dry run on {self.n_devices} x {self.device_kind}: {L.short()}, global_batch "
@@ -535,7 +535,7 @@ class DryRun:
     def to_json(self) -> dict:
         """The report for scripts: memory terms, collective bytes per kind and mesh axis,
         matmul FLOPs, and what only a GPU program has (kernels, overlap)."""
-        from jaxtrain import hlo
+        from jaxtrain.tools import hlo
         axes = lambda a: None if a is None else list(a)  # noqa: E731
         lm = self.ledger_memory()
         out = {
@@ -578,8 +578,11 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
 
     import jax
 
-    from jaxtrain import attention, gpu_program, hlo, sharding, targets, xla_flags
-    from jaxtrain.compile_step import compile_step
+    from jaxtrain import xla_flags
+    from jaxtrain.model import attention
+    from jaxtrain.parallel import sharding
+    from jaxtrain.tools import gpu_program, hlo, targets
+    from jaxtrain.tools.compile_step import compile_step
     if target is not None:
         tgt = targets.get(target)
         if gpu is not None and get_gpu(gpu).name != get_gpu(tgt.ledger_gpu).name:
@@ -622,7 +625,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     est = estimate(scaled, layout, gpu, flash=flash)
     executed = None
     if est.executor is not None:
-        from jaxtrain import pipeline_flops
+        from jaxtrain.tools import pipeline_flops
         executed = pipeline_flops.for_step(out.text, est.executor)
     return DryRun(config_name=config_name, cfg=scaled, planned=planned, changes=changes,
                   estimate=est, memory=mem, collectives=colls,

@@ -1,5 +1,5 @@
 """Pallas kernels (Triton backend on GPU, interpret mode on CPU)."""
-from jaxtrain.pallas_kernels.flash_attention import (
+from jaxtrain.model.kernels.flash_attention import (
     FlashAttentionError,
     block_counts,
     flash_attention,

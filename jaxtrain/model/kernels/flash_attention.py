@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxtrain.pallas_kernels import block_map
+from jaxtrain.model.kernels import block_map
 
 try:  # Triton compiler params only matter on GPU; CPU interpret mode works without them.
   from jax.experimental.pallas import triton as plgpu

@@ -25,7 +25,7 @@ import re
 import tempfile
 import types
 
-from jaxtrain import hlo, hlo_module
+from jaxtrain.tools import hlo, hlo_module
 from jaxtrain.config import ConfigError
 
 PROFILE_SUFFIXES = (".xplane.pb", ".trace.json.gz", ".trace.json", ".json.gz", ".json")

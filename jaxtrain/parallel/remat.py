@@ -11,7 +11,7 @@
     policy=NAME | NAME:a,b | save:a,b      escape hatch: a jax.checkpoint_policies entry, a
                                            name-list factory with its tags, or the tags to save
     policy=auto memory_budget_gb=G         resolved before the step is built by
-                                           jaxtrain.remat_sweep.choose_policy
+                                           jaxtrain.tools.remat_sweep.choose_policy
 
 `layer_runner(r)` returns the `run_layers(block_fn, x, stacked_state)` that the model's layer
 scan uses (model.Ops.run_layers); `validate(r, layers_per_chunk)` checks a config the way
@@ -31,7 +31,7 @@ the same memory. `core_attn_out` also drops the context (PV recomputed too: one 
 tensor per layer less, twice the attention recompute). Because the core's internals carry no
 tag, every selective policy recomputes them, with or without `core_attn` in the list: unlike
 Megatron, `modules=[mlp]` does not keep the s×s probabilities (they would need a tag inside
-jaxtrain.attention). `mlp` drops gate/up/act: gate and up are recomputed, the down projection
+jaxtrain.model.attention). `mlp` drops gate/up/act: gate and up are recomputed, the down projection
 is not (its output feeds nothing the backward needs). `layernorm` drops both norm outputs.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ConfigError, RematConfig
-from jaxtrain.model import REMAT_TAGS
+from jaxtrain.model.llama import REMAT_TAGS
 
 # remat.modules -> the tags it stops saving: Megatron's --recompute-modules names first, then
 # our finer tags (see the module docstring for why core_attn drops none).
@@ -82,7 +82,7 @@ def validate(r: RematConfig, layers_per_chunk: int | Sequence[int]) -> None:
     if r.policy == "auto":
         raise RematConfigError(
             "remat.policy=auto must be resolved before the step is built: call "
-            "jaxtrain.remat_sweep.choose_policy(cfg, mesh) (train.py does) or name a policy")
+            "jaxtrain.tools.remat_sweep.choose_policy(cfg, mesh) (train.py does) or name a policy")
     if r.policy:
         if r.granularity != "none" or r.num_layers or r.offload:
             raise RematConfigError(
@@ -295,7 +295,7 @@ def layer_runner(r: RematConfig) -> Callable:
     """
     if r.policy == "auto":
         raise RematConfigError("remat.policy=auto must be resolved by "
-                               "jaxtrain.remat_sweep.choose_policy before building the model")
+                               "jaxtrain.tools.remat_sweep.choose_policy before building the model")
     nothing = jax.checkpoint_policies.nothing_saveable
     if r.policy:
         policy = policy_from_name(r.policy)

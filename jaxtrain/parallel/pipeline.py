@@ -1,4 +1,4 @@
-"""Pipeline parallelism: the public API over jaxtrain.pipeline_executor's lock-step program.
+"""Pipeline parallelism: the public API over jaxtrain.parallel.pipeline_executor's lock-step program.
 
 The model is cut into p*v chunks of equal shape; rank r of the `stage` mesh axis owns virtual
 stages g = j*p + r (j < v). Chunk parameters are stacked with leading dims [p, v, ...] and
@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import pipeline_executor as ex
-from jaxtrain.layer_order import LayerOrder
-from jaxtrain.pipeline_executor import (DATA_AXIS, STAGE_AXIS, SUM, GradCombine, PipelineError,
+from jaxtrain.parallel import pipeline_executor as ex
+from jaxtrain.parallel.layer_order import LayerOrder
+from jaxtrain.parallel.pipeline_executor import (DATA_AXIS, STAGE_AXIS, SUM, GradCombine, PipelineError,
                                         manual_axes)
-from jaxtrain.pipeline_schedule import Schedule, ScheduleError, build_schedule
+from jaxtrain.parallel.pipeline_schedule import Schedule, ScheduleError, build_schedule
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
            "Schedule", "pipelined_loss", "pipelined_value_and_grad", "gpipe_loss",

@@ -1,6 +1,6 @@
 """The device mesh, the one logical->mesh rules table, and the shardings derived from it.
 
-Only this module knows mesh axes. The model names logical axes (DESIGN.md §3); the table below
+Only this module knows mesh axes. The model names logical axes (docs/design.md §3); the table below
 says where each lives, once for parameters and once for activations. All mesh axes are `Auto`
 (GSPMD propagation between the constraints we place), chosen on purpose: jax 0.10's
 `make_mesh` would otherwise default to Explicit.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +17,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config, ParallelConfig
-from jaxtrain.context_attention import ContextPlan
 from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
 
+if TYPE_CHECKING:
+    from jaxtrain.parallel import context_attention
+
 MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")  # outermost first; tensor fastest
+STAGE, DATA, FSDP, CONTEXT, TENSOR = MESH_AXES
+# The data-parallel group of the weights: gradients are reduced over it once per step and
+# ZeRO-1 shards over it (Megatron's CP ranks are data-parallel for the weights).
+REPLICA_AXES = (DATA, CONTEXT)
 
 # logical axis -> (mesh axes for parameters, mesh axes for activations)
 RULES: dict[str, tuple] = {
@@ -217,9 +223,24 @@ def _drop_if_indivisible(spec, shape, mesh):
 
 
 def batch_spec(mesh: Mesh) -> P:
-    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    axes = tuple(a for a in (DATA, FSDP) if mesh.shape[a] > 1)
     return P(axes if len(axes) > 1 else (axes[0] if axes else None),
-             "context" if mesh.shape["context"] > 1 else None)
+             CONTEXT if mesh.shape[CONTEXT] > 1 else None)
+
+
+def batch_row_shards(mesh: Mesh) -> int:
+    """How many blocks of rows a global batch splits into (data x fsdp)."""
+    return mesh.shape.get(DATA, 1) * mesh.shape.get(FSDP, 1)
+
+
+def replica_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The REPLICA_AXES this mesh really splits (size > 1), in mesh order."""
+    return tuple(a for a in REPLICA_AXES if mesh.shape[a] > 1)
+
+
+def replica_rows_spec(mesh: Mesh) -> P:
+    """A [B, S] batch's blocks as one replica (of replica_axes) takes them."""
+    return P(*(a if mesh.shape[a] > 1 else None for a in REPLICA_AXES))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -270,11 +291,11 @@ class ShardedAttention:
     through `Ops`)."""
     kernel: Callable
     mesh: Mesh
-    context: Optional[ContextPlan] = None
+    context: Optional["context_attention.ContextPlan"] = None
 
     def __call__(self, q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
-        from jaxtrain import context_attention
-        from jaxtrain.attention import local_kv_heads
+        from jaxtrain.parallel import context_attention
+        from jaxtrain.model.attention import local_kv_heads
         mesh = context_mesh(self.mesh)
         b, s, n_heads, _ = q_BSHE.shape
         batch = _mesh_axes_for("batch", 1, mesh, b)
@@ -320,15 +341,15 @@ def _flat(axes) -> tuple:
 
 
 def shard_attention(core: Callable, mesh: Mesh | None,
-                    context: Optional[ContextPlan] = None) -> Callable:
+                    context: Optional["context_attention.ContextPlan"] = None) -> Callable:
     """`ops.attention` on `mesh`: an opaque kernel per shard (ShardedAttention); the xla core
     as it is (GSPMD partitions it like the rest of the model). With `context` > 1 every core
     runs per shard with `context`'s strategy (default: all_gather, load-balanced); a core
     that lacks the strategy fails here, before anything compiles."""
-    from jaxtrain import context_attention
-    from jaxtrain.attention import is_kernel
+    from jaxtrain.parallel import context_attention
+    from jaxtrain.model.attention import is_kernel
     if mesh is not None and mesh.shape.get("context", 1) > 1:
-        context = context or ContextPlan()
+        context = context or context_attention.ContextPlan()
         context_attention.check_supported(core, context.strategy)
         return ShardedAttention(core, mesh, context)
     if mesh is None or mesh.size == 1 or not is_kernel(core):

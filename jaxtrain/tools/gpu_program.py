@@ -22,7 +22,7 @@ import re
 import subprocess
 from typing import Any
 
-from jaxtrain import hlo, hlo_module
+from jaxtrain.tools import hlo, hlo_module
 
 # Between an async collective's start and done, what hides it: a matmul-class kernel (a GEMM
 # custom call or fusion, a Pallas/cuDNN kernel) or a loop or call (whose bodies hold them).
