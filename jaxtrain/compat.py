@@ -55,3 +55,15 @@ def known_outputs(closed_jaxpr, unknown_inputs, wanted) -> Any:
     used = [w for w, u in zip(wanted, out_unknowns) if not u] + [False] * n_res
     jaxpr, _ = pe.dce_jaxpr(known.jaxpr, used, instantiate=True)
     return core.ClosedJaxpr(jaxpr, known.consts)
+
+
+def triton_compiler_params(num_warps: int, num_stages: int):
+    """Pallas's Triton compiler params (warps, software-pipelining stages), or None where this
+    jaxlib has no Triton backend (CPU interpret mode needs none). jax 0.10 and 0.11 name the
+    class CompilerParams; earlier releases TritonCompilerParams."""
+    try:
+        from jax.experimental.pallas import triton as plgpu
+    except ImportError:  # pragma: no cover - depends on the jaxlib build
+        return None
+    cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+    return cls(num_warps=num_warps, num_stages=num_stages)

@@ -26,12 +26,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels import block_map
-
-try:  # Triton compiler params only matter on GPU; CPU interpret mode works without them.
-  from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover - depends on the jaxlib build
-  plgpu = None
 
 __all__ = [
     "FlashAttentionError",
@@ -164,9 +160,7 @@ def _default_blocks(head_dim: int) -> Tuple[int, int, int, int]:
 
 
 def _compiler_params(num_warps, num_stages):
-  if plgpu is None:
-    return None
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  return triton_compiler_params(num_warps, num_stages)
 
 
 # ----------------------------------------------------------------------------------------------

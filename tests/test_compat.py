@@ -1,0 +1,56 @@
+"""jaxtrain.compat, the one place version-specific jax internals are reached: each helper on a
+tiny program, so a jax release that moves an internal fails here, naming the helper."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxtrain import compat
+
+
+def test_varying_axes_inside_shard_map():
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",))
+    seen = {}
+
+    def body(x_sharded, x_replicated):
+        seen["sharded"] = compat.varying_axes(x_sharded)
+        seen["replicated"] = compat.varying_axes(x_replicated)
+        return x_sharded + x_replicated[:2]
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))(
+        jnp.ones(4), jnp.ones(4))
+    assert seen == {"sharded": frozenset({"data"}), "replicated": frozenset()}
+
+
+def _f(p, x):
+    unused = jnp.sin(p) * 3.0      # no output depends on it
+    del unused
+    return p * 2.0, p * x
+
+
+def test_dead_code_removed_drops_what_no_output_needs_and_computes_the_same():
+    closed = jax.make_jaxpr(_f)(1.0, 2.0)
+    pruned = compat.dead_code_removed(closed)
+    prims = [e.primitive.name for e in pruned.jaxpr.eqns]
+    assert "sin" in [e.primitive.name for e in closed.jaxpr.eqns] and "sin" not in prims
+    assert [float(v) for v in compat.jaxpr_as_fun(pruned)(1.5, 4.0)] == [3.0, 6.0]
+
+
+def test_partial_evaluation_splits_parameter_only_outputs():
+    """What the pipeline stash relies on: which outputs depend on the microbatch, and a
+    program for the parameter-only ones from the parameters alone."""
+    closed = jax.make_jaxpr(_f)(1.0, 2.0)
+    unknown = [False, True]            # p known (parameters), x unknown (the microbatch)
+    assert compat.outputs_depending_on(closed, unknown) == [False, True]
+    known = compat.known_outputs(closed, unknown, [True, False])
+    assert len(known.jaxpr.invars) == 1
+    assert [float(v) for v in compat.jaxpr_as_fun(known)(1.5)] == [3.0]
+    with pytest.raises(ValueError, match="depends on the unknown"):
+        compat.known_outputs(closed, unknown, [False, True])
+
+
+def test_triton_compiler_params_carry_warps_and_stages():
+    params = compat.triton_compiler_params(4, 2)
+    if params is not None:     # this jaxlib has Pallas's Triton backend
+        assert (params.num_warps, params.num_stages) == (4, 2)
