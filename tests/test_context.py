@@ -253,6 +253,7 @@ def _losses(workdir: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_restores_across_context_degrees(tmp_path):
     """Steps 1-2 at context=2 (ring), 3-4 resumed at context=4 and at context=1: the same
     losses as the run that stayed at context=2 (up to fp32 summation order), the ZeRO-1

@@ -22,6 +22,8 @@ from jaxtrain import trainer
 from jaxtrain.checkpoint import CheckpointCorruptError
 from jaxtrain.config import load_config
 
+pytestmark = pytest.mark.slow   # real processes: the slowest module of the suite
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 40
 ARGS = [f"--train.steps={STEPS}", "--train.log_every=1", "--train.eval_every=0",

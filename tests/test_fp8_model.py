@@ -268,6 +268,7 @@ def runs(tmp_path_factory):
     return root, stopped
 
 
+@pytest.mark.slow
 def test_fp8_training_tracks_bf16(runs):
     root, _ = runs
     bf16, f8 = _losses(root / "bf16"), _losses(root / "fp8")

@@ -3,11 +3,14 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
 
 import gpu_suite  # noqa: E402
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_section(tmp_path):
     assert gpu_suite.main(["--smoke", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_suite.json").read_text())

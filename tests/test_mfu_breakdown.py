@@ -245,6 +245,7 @@ def test_torch_profiler_trace(tmp_path):
     assert any("no compiled HLO" in n for n in bd.notes)
 
 
+@pytest.mark.slow
 def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
     """train.profile_steps: the trainer profiles and train.py's hook saves the HLO and prints the
     breakdown; the run directory reads back the same through xprof (xplane) and jax's JSON."""

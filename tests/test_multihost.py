@@ -19,6 +19,9 @@ import sys
 import time
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow   # real processes: the slowest module of the suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,6 +19,7 @@ def _clean_env(**extra):
     return env
 
 
+@pytest.mark.slow
 def test_notebook_executes(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel inherits this environment
     nb = nbformat.read(NOTEBOOK, as_version=4)

@@ -102,6 +102,7 @@ def _losses(workdir: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_trainer_from_one_seed_gives_one_model_on_any_layout(tmp_path):
     """`python train.py` on one device and the trainer at data=2 fsdp=2 tensor=2+SP, from the
     same seed, train the same model: the layout changes neither the initial weights nor the

@@ -316,6 +316,7 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_equals_the_uninterrupted_run_on_any_data_degree(corpus, prepared_dir,
                                                                           mix_dirs, tmp_path):
     """Prepare, then train on a mixture (the jsonl + parquet + txt corpus and another directory,

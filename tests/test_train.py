@@ -55,6 +55,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert [a[s] for s in b] == [b[s] for s in b]  # bit-exact
 
 
+@pytest.mark.slow
 def test_pipelined_checkpoint_resumes_unpipelined_and_exports_in_model_order(tmp_path):
     """Interleaved chunks store layers in chunk order (0, 2, 1, 3 here); the checkpoint records
     it, so a run under another layout restores it converted, and export reads model order."""
