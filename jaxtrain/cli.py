@@ -3,8 +3,8 @@ then inspect, dry-run or train.
 
 Errors a user can cause (ConfigError and its subclasses) print one clear line and exit 2
 before anything expensive starts. Too few devices for the configured layout is one of them:
-the ledger's plan for the layout is printed first (jaxtrain.tools.dry_run explains how the device
-count of a layout with a -1 fill is chosen), and nothing is compiled or allocated.
+the ledger's plan for the layout is printed first (jaxtrain.tools.device_plan explains how the
+device count of a layout with a -1 fill is chosen), and nothing is compiled or allocated.
 """
 from __future__ import annotations
 
@@ -104,12 +104,12 @@ def check_devices(cfg, gpu, devices: int | None, config_name: str) -> None:
     cannot hold the configured layout; runs before any compile or allocation."""
     import jax
 
-    from jaxtrain.tools import dry_run as dry_run_lib
+    from jaxtrain.tools import device_plan
     present = jax.device_count()
-    if present < dry_run_lib.needed_devices(cfg, devices):
-        planned = dry_run_lib.plan_devices(cfg, gpu, devices)
-        print(dry_run_lib.format_planned(planned, config_name), flush=True)
-        raise dry_run_lib.TooFewDevicesError(dry_run_lib.too_few_devices_message(
+    if present < device_plan.needed_devices(cfg, devices):
+        planned = device_plan.plan_devices(cfg, gpu, devices)
+        print(device_plan.format_planned(planned, config_name), flush=True)
+        raise device_plan.TooFewDevicesError(device_plan.too_few_devices_message(
             cfg, present, jax.devices()[0].platform, planned, devices))
     if devices is not None and devices != present:
         raise ConfigError(f"--devices={devices} but {present} devices are present and training "

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from jaxtrain import step, trainer
-from jaxtrain.tools import dry_run
+from jaxtrain.tools import device_plan, dry_run
 from jaxtrain.config import load_config
 from jaxtrain.ledger import GiB
 from util import tiny_config
@@ -39,9 +39,9 @@ def no_compile(monkeypatch):
 
 def test_plan_picks_the_fewest_devices_that_fit():
     cfg = load_config(LLAMA70B)
-    par, n_min = cfg.parallel, dry_run.min_devices(cfg)
+    par, n_min = cfg.parallel, device_plan.min_devices(cfg)
     assert par.data == -1 and n_min == par.tensor * par.stage  # the fill counts as 1
-    p = dry_run.plan_devices(cfg, "h100")
+    p = device_plan.plan_devices(cfg, "h100")
     # The first data degree whose micro-batch fits: without recompute the pipeline executor
     # stashes each in-flight microbatch's activations (Megatron's), so only micro-batch 1 fits:
     # data=64, the recipe's 1024 H100s.
@@ -49,14 +49,14 @@ def test_plan_picks_the_fewest_devices_that_fit():
     assert p.layout.micro_batch == 1
     assert "fewest devices on which the layout fits h100" in p.how
     for d in range(1, p.layout.data):
-        smaller = dry_run.plan_devices(cfg, "h100", devices=n_min * d)
+        smaller = device_plan.plan_devices(cfg, "h100", devices=n_min * d)
         assert smaller.estimate is None or not smaller.estimate.fits, d
-    at_min = dry_run.plan_devices(cfg, "h100", devices=n_min)
+    at_min = device_plan.plan_devices(cfg, "h100", devices=n_min)
     assert at_min.layout.micro_batch == cfg.train.global_batch // par.microbatches
-    bad = dry_run.plan_devices(cfg, "h100", devices=24)
+    bad = device_plan.plan_devices(cfg, "h100", devices=24)
     assert bad.estimate is None and "not divisible" in bad.error
     tiny = load_config(TINY)
-    assert dry_run.plan_devices(tiny, "h100", present=8).n_devices == 8
+    assert device_plan.plan_devices(tiny, "h100", present=8).n_devices == 8
 
 
 def test_too_few_devices_prints_the_plan_and_exits_2_without_compiling(capsys, no_compile):
@@ -65,7 +65,7 @@ def test_too_few_devices_prints_the_plan_and_exits_2_without_compiling(capsys, n
     elapsed = time.perf_counter() - t
     out, err = capsys.readouterr()
     assert rc == 2
-    planned = dry_run.plan_devices(load_config(LLAMA70B), "h100")
+    planned = device_plan.plan_devices(load_config(LLAMA70B), "h100")
     assert "ledger plan for" in out and f"on {planned.n_devices} x h100" in out
     assert planned.layout.short() in out and "memory/device: fits" in out
     assert f"needs at least {planned.n_min} devices" in err and "8 cpu devices are present" in err
@@ -99,8 +99,8 @@ def test_target_flags_are_checked_before_anything_compiles(capsys, no_compile, m
 
 def test_scaling_keeps_the_model_and_the_planned_micro_batch():
     cfg = load_config(LLAMA70B, ["--parallel.tensor=16"])  # does not divide 8 devices
-    planned = dry_run.plan_devices(cfg, "h100")
-    scaled, changes = dry_run.scale_to_devices(cfg, planned, 8)
+    planned = device_plan.plan_devices(cfg, "h100")
+    scaled, changes = device_plan.scale_to_devices(cfg, planned, 8)
     p = scaled.parallel
     # The pipeline stays (stage=2 divides 8); tensor fills the 4 devices of a stage.
     assert (p.tensor, p.stage, p.virtual_stages, p.schedule, p.data) == (
@@ -111,14 +111,14 @@ def test_scaling_keeps_the_model_and_the_planned_micro_batch():
     assert any(c.startswith("parallel.tensor 16 -> 4 (the largest degree <= 16 that divides "
                             "the 4 devices of a stage") for c in changes)
     tiny = load_config(TINY)
-    assert dry_run.scale_to_devices(tiny, dry_run.plan_devices(tiny, "h100", present=8),
-                                    8) == (tiny, [])
+    assert device_plan.scale_to_devices(tiny, device_plan.plan_devices(tiny, "h100", present=8),
+                                        8) == (tiny, [])
 
 
 def scaled(overrides, devices, base=LLAMA70B, n=8):
     cfg = load_config(base, overrides)
-    planned = dry_run.plan_devices(cfg, "h100", devices=devices)
-    out, changes = dry_run.scale_to_devices(cfg, planned, n)
+    planned = device_plan.plan_devices(cfg, "h100", devices=devices)
+    out, changes = device_plan.scale_to_devices(cfg, planned, n)
     return planned.layout, out.parallel, out.train.global_batch, changes
 
 

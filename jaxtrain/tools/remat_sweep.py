@@ -303,7 +303,7 @@ def sweep_devices(cfg: Config, n: int | None, target: str | None) -> list:
     if target is None:
         return jax.devices()[:n] if n else jax.devices()
     from jaxtrain.tools import targets
-    from jaxtrain.tools.dry_run import plan_devices
+    from jaxtrain.tools.device_plan import plan_devices
     from jaxtrain.ledger import get_gpu
     planned = plan_devices(cfg, get_gpu(targets.get(target).ledger_gpu), n)
     if planned.n_devices is None:
