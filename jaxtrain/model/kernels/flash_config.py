@@ -1,0 +1,271 @@
+"""From a flash_attention call's arguments to the kernels' static configuration.
+
+Validation (shapes, dtypes, segment ids, positions), the block sizes (Hopper defaults by head
+dim, or the caller's, checked), Triton launch parameters, the dots' precision, and the padded
+sizes they imply: `_prepare` for a call, `_resolve` for what block_counts counts too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 256
+# Triton's tl.dot needs every tile dimension to be a power of two and at least 16.
+_MIN_TILE = 16
+
+SegmentIds = Union[jax.Array, Tuple[jax.Array, jax.Array], None]
+
+
+class FlashAttentionError(ValueError):
+  """Bad shapes, dtypes or block sizes passed to flash_attention."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Static configuration.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  causal: bool
+  sm_scale: float
+  block_q: int
+  block_k: int
+  block_q_bwd: int
+  block_k_bwd: int
+  kv_len: Optional[int]  # mask keys at or past this (padding that nothing else hides), else None
+  has_segments: bool
+  has_positions: bool  # causal masking by given [Sq] / [Sk] positions, not 0, 1, ...
+  skip_blocks: bool  # loop over block_map schedules (needs segment ids or positions)
+  count_blocks: bool  # debug: each program also writes how many tiles it computed
+  precision: lax.Precision  # of every in-kernel dot: DEFAULT is TF32 for fp32 on GPU
+  num_warps: Optional[int]
+  num_warps_bwd: Optional[int]
+  num_stages: Optional[int]
+  num_stages_bwd: Optional[int]
+  interpret: bool
+
+
+def _default_blocks(head_dim: int) -> Tuple[int, int, int, int]:
+  """(block_q, block_k, block_q_bwd, block_k_bwd), chosen for Hopper register/SMEM budgets.
+
+  Compiled for sm_90a (tests/test_gpu_compile.py reads ptxas' report), with segment ids: at
+  head dim 64 a 128x128 forward tile spilled 76-264 bytes at 255 registers (64x128: 220, no
+  spill). Not yet timed on hardware: bench/attention.py --block-* flags sweep them.
+  """
+  if head_dim <= 64:
+    return 64, 128, 64, 64
+  if head_dim <= 128:
+    return 128, 64, 64, 64
+  return 64, 32, 32, 32
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments: segment ids, positions, shapes, dtypes, blocks, precision.
+
+
+def _split_segments(segment_ids: SegmentIds):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise FlashAttentionError(
+          "segment_ids must be one [batch, seq] array or a pair (q_segment_ids, kv_segment_ids); "
+          f"got a sequence of length {len(segment_ids)}.")
+    q_seg, kv_seg = segment_ids
+    if (q_seg is None) != (kv_seg is None):
+      missing = "q_segment_ids" if q_seg is None else "kv_segment_ids"
+      raise FlashAttentionError(
+          f"segment_ids=(q_segment_ids, kv_segment_ids) got None for {missing}; pass both "
+          "arrays, one [batch, seq] array for both, or segment_ids=None (no document masking).")
+    return q_seg, kv_seg
+  return segment_ids, segment_ids
+
+
+def _check_block(name: str, value: int) -> int:
+  if not isinstance(value, int) or value < _MIN_TILE or value & (value - 1):
+    raise FlashAttentionError(
+        f"{name}={value!r} must be a power of two >= {_MIN_TILE} (Triton tile constraint).")
+  return value
+
+
+def _fit_block(block: int, seq_len: int) -> int:
+  # A block longer than the (power-of-two rounded) sequence only adds padding.
+  return max(_MIN_TILE, min(block, pl.next_power_of_2(seq_len)))
+
+
+def _exact_segment_ids(seg, name: str):
+  """Segment ids in a dtype the kernels compare exactly: int32, or the ids' own 64-bit dtype
+  when jax has x64 on. Without x64 a 64-bit array can only be a host array, and jax would
+  truncate it: it passes only if its values fit int32."""
+  if seg is None or jnp.dtype(seg.dtype).itemsize <= 4:
+    # <= 32-bit ints cast to int32 injectively (uint32 wraps): equality, all a mask needs, holds.
+    return None if seg is None else jnp.asarray(seg).astype(jnp.int32)
+  if jax.config.jax_enable_x64:
+    return jnp.asarray(seg)
+  values = np.asarray(seg)
+  info = np.iinfo(np.int32)
+  if values.size and (values.min() < info.min or values.max() > info.max):
+    raise FlashAttentionError(
+        f"{name} ({values.dtype}) hold values in [{values.min()}, {values.max()}], outside "
+        "int32, which jax (x64 off) would truncate, merging documents; relabel them per row "
+        "(e.g. np.unique(ids, return_inverse=True)[1]) or enable jax_enable_x64.")
+  return jnp.asarray(values.astype(np.int32))
+
+
+def _split_positions(positions):
+  if positions is None:
+    return None, None
+  if not isinstance(positions, (tuple, list)) or len(positions) != 2 or any(
+      x is None for x in positions):
+    raise FlashAttentionError(
+        "positions must be a pair (q_positions [Sq], kv_positions [Sk]) of integer arrays, or "
+        "None (0, 1, ... for both)")
+  return tuple(positions)
+
+
+def _validate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, one_segment_array: bool):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if getattr(x, "ndim", None) != 4:
+      raise FlashAttentionError(
+          f"{name} must be 4-D [batch, seq, heads, head_dim]; got shape {getattr(x, 'shape', x)}.")
+  B, S, H, D = q.shape
+  if k.shape != v.shape:
+    raise FlashAttentionError(f"k and v must have the same shape; got k {k.shape}, v {v.shape}.")
+  Bk, Sk, K, Dk = k.shape
+  if Bk != B:
+    raise FlashAttentionError(f"batch mismatch: q has {B}, k/v have {Bk}.")
+  if Dk != D:
+    raise FlashAttentionError(f"head_dim mismatch: q has {D}, k/v have {Dk}.")
+  if K == 0 or H % K:
+    raise FlashAttentionError(
+        f"num_heads={H} must be a multiple of num_kv_heads={K} (GQA groups query heads evenly "
+        "over kv heads); pick num_kv_heads among the divisors of num_heads.")
+  if not 1 <= D <= MAX_HEAD_DIM:
+    raise FlashAttentionError(
+        f"head_dim={D} is unsupported: must be in [1, {MAX_HEAD_DIM}] (non-powers of two and "
+        "dims below 16 are zero-padded).")
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if len(dtypes) != 1:
+    raise FlashAttentionError(
+        f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}.")
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise FlashAttentionError(
+        f"dtype {q.dtype} is unsupported; use one of float32, bfloat16, float16.")
+  if one_segment_array and Sk != S:
+    raise FlashAttentionError(
+        f"sequence mismatch: q has {S} tokens, k/v have {Sk}, and one segment_ids array can "
+        "only serve both when they match; pass (q_segment_ids, kv_segment_ids).")
+  for name, seg, n in (("q segment_ids", q_seg, S), ("kv segment_ids", kv_seg, Sk)):
+    if seg is None:
+      continue
+    if tuple(seg.shape) != (B, n):
+      raise FlashAttentionError(f"{name} must have shape [batch, seq] = {(B, n)}; "
+                                f"got {tuple(seg.shape)}.")
+    if not jnp.issubdtype(seg.dtype, jnp.integer):
+      raise FlashAttentionError(f"{name} must be an integer array; got {seg.dtype}.")
+  for name, pos, n in (("q_positions", q_pos, S), ("kv_positions", kv_pos, Sk)):
+    if pos is None:
+      continue
+    if tuple(pos.shape) != (n,) or not jnp.issubdtype(pos.dtype, jnp.integer):
+      raise FlashAttentionError(f"{name} must be an integer array of shape [seq] = ({n},); "
+                                f"got {pos.dtype}{list(pos.shape)}.")
+
+
+def _precision(precision) -> lax.Precision:
+  """The in-kernel dots' precision: the argument, else jax's default_matmul_precision."""
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  if precision is None:
+    return lax.Precision.DEFAULT
+  try:
+    return lax.Precision(precision)
+  except (ValueError, TypeError):
+    raise FlashAttentionError(
+        f"precision={precision!r} is not a jax.lax.Precision (DEFAULT or HIGH: TF32 for fp32 "
+        "inputs on GPU; HIGHEST: full fp32)") from None
+
+
+def _resolve(B, Sq, Sk, H, D, has_segments, has_positions=False, *, causal, sm_scale, blocks,
+             num_warps, num_warps_bwd, num_stages, num_stages_bwd, interpret, precision,
+             skip_empty_blocks, count_blocks=False):
+  """(_Config, padded q length, padded kv length, padded head_dim) for a call: what
+  flash_attention runs and what block_counts counts."""
+  padded_d = max(_MIN_TILE, pl.next_power_of_2(D))
+  chosen = []
+  for name, value, default, n in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"),
+                                     blocks, _default_blocks(padded_d), (Sq, Sk, Sq, Sk)):
+    chosen.append(_check_block(name, value) if value is not None else _fit_block(default, n))
+  multiple = max(chosen)
+  padded_sq, padded_sk = (-(-n // multiple) * multiple for n in (Sq, Sk))
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  # Padded keys sit after every real query (positions Sk, ... or flash_attention._NEVER) unless
+  # attention is not causal or more queries than keys count from 0: only then a length mask
+  # hides them.
+  hide_padding = padded_sk != Sk and (not causal or (not has_positions and Sq > Sk))
+  cfg = _Config(
+      causal=bool(causal), sm_scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
+      block_q=chosen[0], block_k=chosen[1], block_q_bwd=chosen[2], block_k_bwd=chosen[3],
+      kv_len=Sk if hide_padding else None, has_segments=has_segments,
+      has_positions=bool(has_positions and causal),
+      skip_blocks=(has_segments or bool(has_positions and causal)) and bool(skip_empty_blocks),
+      count_blocks=count_blocks, precision=_precision(precision),
+      num_warps=(4 if padded_d <= 64 else 8) if num_warps is None else num_warps,
+      num_warps_bwd=(4 if padded_d <= 64 else 8) if num_warps_bwd is None else num_warps_bwd,
+      num_stages=3 if num_stages is None else num_stages,
+      num_stages_bwd=2 if num_stages_bwd is None else num_stages_bwd,
+      interpret=bool(interpret))
+  return cfg, padded_sq, padded_sk, padded_d
+
+
+def _prepare(q, k, v, segment_ids, positions, *, causal, sm_scale, blocks, num_warps,
+             num_warps_bwd, num_stages, num_stages_bwd, interpret, precision,
+             skip_empty_blocks):
+  """Validated int32 ids and positions, and the (_Config, padded sizes) of a call."""
+  q_seg, kv_seg = _split_segments(segment_ids)
+  q_pos, kv_pos = _split_positions(positions)
+  _validate(q, k, v, q_seg, kv_seg, q_pos, kv_pos,
+            one_segment_array=segment_ids is not None and not isinstance(segment_ids,
+                                                                         (tuple, list)))
+  q_seg = _exact_segment_ids(q_seg, "q segment_ids")
+  kv_seg = _exact_segment_ids(kv_seg, "kv segment_ids")
+  if q_pos is not None and causal:  # [1, S]: the layout the kernels read them in
+    q_pos, kv_pos = (jnp.asarray(x).astype(jnp.int32)[None] for x in (q_pos, kv_pos))
+  else:
+    q_pos = kv_pos = None  # without causal masking positions change nothing
+  B, Sq, H, D = q.shape
+  if B == 0 or Sq == 0 or k.shape[1] == 0:
+    return (q_seg, kv_seg, q_pos, kv_pos), None
+  cfg, padded_sq, padded_sk, padded_d = _resolve(
+      B, Sq, k.shape[1], H, D, q_seg is not None, q_pos is not None, causal=causal,
+      sm_scale=sm_scale, blocks=blocks, num_warps=num_warps, num_warps_bwd=num_warps_bwd,
+      num_stages=num_stages, num_stages_bwd=num_stages_bwd, interpret=interpret,
+      precision=precision, skip_empty_blocks=skip_empty_blocks)
+  sizes = dict(cfg=cfg, padded_sq=padded_sq, padded_sk=padded_sk, padded_head_dim=padded_d)
+  return (q_seg, kv_seg, q_pos, kv_pos), sizes
+
+
+def _options(options: dict) -> dict:
+  """flash_attention_backward's **options as _prepare's keywords; unknown ones raise."""
+  known = ("sm_scale", "block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps",
+           "num_warps_bwd", "num_stages", "num_stages_bwd", "interpret", "precision",
+           "skip_empty_blocks")
+  unknown = sorted(set(options) - set(known))
+  if unknown:
+    raise FlashAttentionError(f"unknown options {unknown}; known: {', '.join(known)}")
+  o = {k: options.get(k) for k in known}
+  return dict(sm_scale=o["sm_scale"], blocks=(o["block_q"], o["block_k"], o["block_q_bwd"],
+                                              o["block_k_bwd"]),
+              num_warps=o["num_warps"], num_warps_bwd=o["num_warps_bwd"],
+              num_stages=o["num_stages"], num_stages_bwd=o["num_stages_bwd"],
+              interpret=o["interpret"], precision=o["precision"],
+              skip_empty_blocks=True if o["skip_empty_blocks"] is None
+              else o["skip_empty_blocks"])
