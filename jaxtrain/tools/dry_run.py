@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 
 from jaxtrain import config
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.config_check import check
 from jaxtrain.ledger import (Estimate, Executor, Gpu, Layout, LayoutError, describe, estimate,
                              get_gpu)
 from jaxtrain.ledger.memory import layer_params_local, padded_vocab, workspace_bytes
@@ -188,8 +189,11 @@ def _tensor_ok(cfg: Config, t: int, n: int) -> bool:
 
 
 def _context_ok(cfg: Config, c: int) -> bool:
-    seq, balanced = cfg.train.seq_len, cfg.parallel.context_load_balance
-    return c == 1 or (seq % c == 0 and (not balanced or (c % 2 == 0 and seq % (2 * c) == 0)))
+    try:
+        config.check_context_split(cfg.train.seq_len, c, cfg.parallel.context_load_balance)
+        return True
+    except ConfigError:
+        return False
 
 
 def runs_as_is(cfg: Config, n: int) -> bool:
@@ -243,10 +247,8 @@ def scale_to_devices(cfg: Config, planned: Planned, n: int) -> tuple[Config, lis
         return cfg, []
     if planned.layout is None:
         raise LayoutError(f"cannot scale the configured layout to {n} devices: {planned.error}")
-    from jaxtrain.parallel import sharding
     out, changes = _scaled(cfg, planned, n)
-    out.validate()
-    sharding.validate_layout(out, n)
+    check(out.validate(), n)
     return out, changes
 
 

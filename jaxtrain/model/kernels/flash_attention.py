@@ -78,6 +78,13 @@ def _split_segments(segment_ids: SegmentIds):
   return segment_ids, segment_ids
 
 
+def _check_groups(H: int, K: int) -> None:
+  if K == 0 or H % K:
+    raise FlashAttentionError(
+        f"num_heads={H} must be a multiple of num_kv_heads={K} (GQA groups query heads evenly "
+        "over kv heads); pick num_kv_heads among the divisors of num_heads.")
+
+
 def reference_attention(q, k, v, segment_ids: SegmentIds = None, causal: bool = True,
                         sm_scale: Optional[float] = None, *, positions=None,
                         return_lse: bool = False):
@@ -87,8 +94,7 @@ def reference_attention(q, k, v, segment_ids: SegmentIds = None, causal: bool = 
   """
   B, S, H, D = q.shape
   K = k.shape[2]
-  if H % K:
-    raise FlashAttentionError(f"num_heads={H} is not a multiple of num_kv_heads={K}.")
+  _check_groups(H, K)
   group = H // K
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
@@ -771,10 +777,7 @@ def _validate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, one_segment_array: bool):
     raise FlashAttentionError(f"batch mismatch: q has {B}, k/v have {Bk}.")
   if Dk != D:
     raise FlashAttentionError(f"head_dim mismatch: q has {D}, k/v have {Dk}.")
-  if K == 0 or H % K:
-    raise FlashAttentionError(
-        f"num_heads={H} must be a multiple of num_kv_heads={K} (GQA groups query heads evenly "
-        "over kv heads); pick num_kv_heads among the divisors of num_heads.")
+  _check_groups(H, K)
   if not 1 <= D <= MAX_HEAD_DIM:
     raise FlashAttentionError(
         f"head_dim={D} is unsupported: must be in [1, {MAX_HEAD_DIM}] (non-powers of two and "
