@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtrain.model import fp8 as fp8_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.parallel import pipeline as pl
-from jaxtrain.parallel import remat, sharding
+from jaxtrain.parallel import sharding
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.parallel.pipeline import PipelineError
 
@@ -242,14 +242,12 @@ FP8_COMBINE = pl.GradCombine(_add_at_fp8, _reduce_fp8)
 
 
 def build(setup) -> PipelineModel:
-    """Check that `setup` can run pipelined and build its PipelineModel."""
+    """The PipelineModel of `setup` (whose config step.build has checked)."""
     cfg, mesh = setup.cfg, setup.mesh
     par = cfg.parallel
     p, v, m = mesh.shape.get(pl.STAGE_AXIS, 1), par.virtual_stages, par.microbatches
-    stage_layers = stage_layer_counts(cfg, p, v)     # LayoutError names a bad split
-    counts = pl.chunk_layer_counts(cfg.model.num_layers, p, v, stage_layers)
+    stage_layers = stage_layer_counts(cfg, p, v)
     schedule = pl.build_schedule(par.schedule, p, m, v)
-    remat.validate(cfg.remat, sorted(set(counts.flat)))
     # Weights are left to GSPMD inside the executor's per-rank conditionals (ActivationSharding)
     from jaxtrain.step import make_ops
     ops = make_ops(cfg, mesh, constrain_weights=False)

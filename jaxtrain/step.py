@@ -32,7 +32,7 @@ from jaxtrain.parallel import context_attention
 from jaxtrain.model import fp8 as fp8_lib
 from jaxtrain.parallel import layer_order
 from jaxtrain.model import llama as model_lib
-from jaxtrain import optim, weights, xla_flags
+from jaxtrain import config_check, optim, weights, xla_flags
 from jaxtrain import pipeline_model
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
@@ -99,67 +99,22 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                          span_runner=remat.span_runner(cfg.remat) if fp8 is not None else None)
 
 
-class Fp8LayoutError(ConfigError):
-    """FP8 settings that do not fit the model or the layout; names the layer and the keys."""
-
-
-def validate_fp8(cfg: Config, tensor: int) -> None:
-    """FP8 checks from the config alone (before anything compiles): every FP8 projection's
-    GEMM sizes, whole and per tensor-parallel shard, are multiples of 16, and the FP8/bf16
-    layer ranges fit the remat grouping."""
-    f, m = cfg.fp8, cfg.model
-    if not f.enabled:
-        return
-    align = fp8_lib.FP8_ALIGN
-    first, last = f.bf16_first_layers, m.num_layers - f.bf16_last_layers
-    if first >= last:
-        return  # every layer is kept in bf16: no FP8 GEMM runs
-    where = f"layers {first}..{last - 1}"
-    for name, (k, n, sharded) in model_lib.projection_sizes(m).items():
-        for label, size in (("K (contracting)", k), ("N (output)", n)):
-            if size % align:
-                raise Fp8LayoutError(
-                    f"fp8.enabled: {name} ({where}) has {label} size {size}, not a multiple of "
-                    f"{align} (FP8 GEMM alignment); change the model dims or set "
-                    "fp8.enabled=false")
-        size = n if sharded == "N" else k
-        kv = name in ("blocks/attn/wk", "blocks/attn/wv")
-        if tensor > 1 and not (kv and m.num_kv_heads % tensor):  # kv heads replicate if indivisible
-            local = size // tensor
-            if local % align:
-                raise Fp8LayoutError(
-                    f"fp8.enabled: {name} ({where}) is split over parallel.tensor={tensor} into "
-                    f"{sharded} = {size}/{tensor} = {local} per shard, not a multiple of {align} "
-                    "(FP8 GEMM alignment); lower parallel.tensor or change the model dims")
-    r = cfg.remat
-    if not r.policy and r.granularity == "full" and r.method == "uniform":
-        spans = model_lib.layer_spans(m.num_layers, fp8_layers(cfg))
-        bad = [(a, b) for a, b, _ in spans if (b - a) % r.num_layers]
-        if bad:
-            raise Fp8LayoutError(
-                f"remat.method=uniform remat.num_layers={r.num_layers} must divide the length "
-                "of each layer range the stack runs as: layers "
-                f"{', '.join(f'{a}..{b - 1}' for a, b, _ in spans)} (from fp8.bf16_first_layers="
-                f"{f.bf16_first_layers}, fp8.bf16_last_layers={f.bf16_last_layers}); change "
-                "remat.num_layers or those")
+Fp8LayoutError = config_check.Fp8LayoutError  # where step.build raised it before
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
-    layout = sharding.validate_layout(cfg, mesh.size)
-    xla_flags.parse(cfg.train.xla_flags)  # a bad option fails here, before any compile
-    p = layout["stage"]
+    layout = config_check.check(cfg, mesh.size)  # every config rule, before anything compiles
+    p = layout.stage
     v = cfg.parallel.virtual_stages if p > 1 else 1
     stage_layers = stage_layer_counts(cfg, p, v)
-    if layout["context"] > 1:
+    if layout.context > 1:
         context_attention.check_backend(cfg.parallel.context_strategy, p,
                                         mesh.devices.flat[0].platform)
-    remat.validate(cfg.remat, [n // v for n in stage_layers])
-    validate_fp8(cfg, layout["tensor"])
     order = LayerOrder.natural(cfg.model.num_layers)
     if p > 1:   # chunk order: each stage's layers in its own rows
         order = LayerOrder.chunks(chunk_layer_counts(cfg.model.num_layers, p, v, stage_layers))
     model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=padded_vocab(cfg.model.vocab_size, layout["tensor"]),
+        cfg.model, vocab_size=padded_vocab(cfg.model.vocab_size, layout.tensor),
         num_layers=len(order.rows))
     ops = make_ops(cfg, mesh)
     abstract = nnx.eval_shape(lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(0), ops=ops,

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from jaxtrain.config import PrepareConfig, validate_prepare
+from jaxtrain.config import ConfigError, PrepareConfig
 from jaxtrain.data import readers
 from jaxtrain.data.errors import DataError
 from jaxtrain.data.readers import Piece, Source
@@ -37,6 +37,18 @@ DOC_DTYPE = np.dtype([("end", "<i8"), ("key", "<u8")])
 
 def shard_files(k: int) -> tuple[str, str, str]:
     return f"shard-{k:05d}.bin", f"shard-{k:05d}.docs.npy", f"shard-{k:05d}.json"
+
+
+def validate_prepare(p: PrepareConfig) -> None:
+    """prepare's own options (its command line, not a run's Config)."""
+    for ok, msg in ((bool(p.inputs), "prepare needs --input (files, folders or globs of "
+                     ".jsonl, .parquet or .txt)"),
+                    (bool(p.out), "prepare needs --out DIR (where the shards and manifest go)"),
+                    (bool(p.text_field), "--text-field must name the jsonl key / parquet column"),
+                    (p.workers >= 0, f"--workers={p.workers} must be >= 0 (0: one per CPU)"),
+                    (p.shard_bytes >= 1, f"--shard-bytes={p.shard_bytes} must be positive")):
+        if not ok:
+            raise ConfigError(msg)
 
 
 def prepare(pcfg: PrepareConfig, *, echo=print, progress: bool = True) -> dict:

@@ -55,6 +55,17 @@ def param_counts(model: ModelConfig) -> ParamCounts:
                        num_layers=model.num_layers)
 
 
+def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
+    """{projection param path: (K contracting size, N output size, which of them tensor shards)}
+    of one layer's GEMMs (what FP8 must align: config_check.check_fp8_layout)."""
+    d, h, k, e, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim,
+                     cfg.mlp_size)
+    return {"blocks/attn/wq": (d, h * e, "N"), "blocks/attn/wk": (d, k * e, "N"),
+            "blocks/attn/wv": (d, k * e, "N"), "blocks/attn/wo": (h * e, d, "K"),
+            "blocks/mlp/w_gate": (d, f, "N"), "blocks/mlp/w_up": (d, f, "N"),
+            "blocks/mlp/w_down": (f, d, "K")}
+
+
 # The share of the s×s score and PV products a causal mask keeps (the lower triangle).
 CAUSAL_FRACTION = 0.5
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config, ConfigError, check_batch_split, check_context_split, check_fill
 
 # Fastest-varying first: device order puts tensor innermost (Megatron's tp-cp-dp-pp).
 AXES_FAST_TO_SLOW = ("tensor", "context", "fsdp", "data", "stage")
@@ -62,10 +62,9 @@ def resolve_degrees(cfg: Config, n_devices: int) -> dict[str, int]:
     if n_devices < 1:
         raise LayoutError(f"--devices={n_devices}: need at least one device")
     p = cfg.parallel
+    check_fill(p, LayoutError)
     sizes = {a: getattr(p, a) for a in ("stage", "data", "fsdp", "context", "tensor")}
     fill = [a for a, v in sizes.items() if v == -1]
-    if len(fill) > 1:
-        raise LayoutError(f"only one of parallel.{', parallel.'.join(fill)} may be -1")
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if fill:
         if n_devices % fixed:
@@ -85,13 +84,10 @@ def layout_from_config(cfg: Config, n_devices: int) -> Layout:
     """The layout `cfg.parallel` describes on n_devices, validated."""
     sizes = resolve_degrees(cfg, n_devices)
     p = cfg.parallel
-    dp = sizes["data"] * sizes["fsdp"]
-    per_step = dp * p.microbatches
-    if cfg.train.global_batch % per_step:
-        raise LayoutError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by data*fsdp={dp} x "
-            f"parallel.microbatches={p.microbatches}; change train.global_batch, "
-            "parallel.microbatches or the layout")
+    filled = next((a for a in ("data", "fsdp") if getattr(p, a) == -1), "")
+    check_batch_split(cfg.train.global_batch, sizes["data"], sizes["fsdp"], p.microbatches,
+                      filled, LayoutError)
+    per_step = sizes["data"] * sizes["fsdp"] * p.microbatches
     layout = Layout(tensor=sizes["tensor"], stage=sizes["stage"], data=sizes["data"],
                     fsdp=sizes["fsdp"], context=sizes["context"],
                     virtual_stages=p.virtual_stages,
@@ -124,14 +120,7 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
                           "the other (KV heads are sharded, or replicated when fewer than t)")
     if m.mlp_size % t:
         raise LayoutError(f"model.mlp_size={m.mlp_size} is not divisible by tensor={t}")
-    if seq_len % L.context:
-        raise LayoutError(f"seq_len={seq_len} is not divisible by context={L.context}")
-    if L.context > 1 and cfg.parallel.context_load_balance and (
-            L.context % 2 or seq_len % (2 * L.context)):
-        raise LayoutError(
-            f"context={L.context} with causal load balancing needs an even degree and seq_len="
-            f"{seq_len} divisible by 2 x context = {2 * L.context}; change them or set "
-            "parallel.context_load_balance=false")
+    check_context_split(seq_len, L.context, cfg.parallel.context_load_balance, LayoutError)
     if L.sequence_parallel and (seq_len // L.context) % t:
         raise LayoutError(f"seq_len/context={seq_len // L.context} is not divisible by tensor={t}"
                           " (sequence parallelism splits the sequence over the tensor axis)")
@@ -140,10 +129,11 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
         if L.stage == 1:
             raise LayoutError(f"virtual_stages={L.virtual_stages} needs stage > 1 (interleaving "
                               "splits each pipeline stage into chunks)")
-        if L.microbatches % L.stage:
-            raise LayoutError(
-                f"interleaved 1F1B needs microbatches divisible by stage (as Megatron): "
-                f"microbatches={L.microbatches}, stage={L.stage}; use a multiple of {L.stage}")
+        from jaxtrain.parallel.pipeline_schedule import ScheduleError, validate as schedule_rules
+        try:  # virtual stages run the interleaved schedule (ledger.pipeline, the trainer)
+            schedule_rules("interleaved_1f1b", L.stage, L.microbatches, L.virtual_stages)
+        except ScheduleError as err:
+            raise LayoutError(str(err)) from None
     if L.global_batch != cfg.train.global_batch:
         raise LayoutError(
             f"data*fsdp*micro_batch*microbatches = {L.data}*{L.fsdp}*{L.micro_batch}*"

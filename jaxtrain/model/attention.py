@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.config import ConfigError, check_gqa
 from jaxtrain.model.kernels import FlashAttentionError, flash_attention
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
@@ -30,8 +31,8 @@ CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 256
 
 
-class AttentionConfigError(ValueError):
-    pass
+class AttentionConfigError(ConfigError):
+    """model.attention (or the model's heads) that cannot run on these devices."""
 
 
 # ----------------------------------------------------------------------------- per-device cores
@@ -145,10 +146,7 @@ def select(model_cfg, platform: str):
     'cpu': see sharding.platform), checked against the model config. On a mesh, kernels run
     per shard: sharding.shard_attention wraps them."""
     impl = resolve(model_cfg.attention, platform)
-    if model_cfg.num_heads % model_cfg.num_kv_heads:
-        raise AttentionConfigError(
-            f"model.num_heads={model_cfg.num_heads} is not divisible by "
-            f"model.num_kv_heads={model_cfg.num_kv_heads}; pick a divisor of num_heads")
+    check_gqa(model_cfg, AttentionConfigError)  # also for model configs built without validate()
     if impl == "xla":
         return xla_attention  # GSPMD partitions it like any other jnp code
     if impl == "pallas":

@@ -36,13 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.compat import varying_axes
-from jaxtrain.config import FP8_CURRENT_MARGIN, ConfigError, Fp8Config
+from jaxtrain.config import FP8_ALIGN, ConfigError, Fp8Config, check_fp8
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 FLT_MAX = float(np.finfo(np.float32).max)
-# cuBLASLt FP8 GEMMs need 16-aligned contracting and output feature sizes.
-FP8_ALIGN = 16
 # Suggested flax variable collection for metas (kept out of "params" and out of optax).
 COLLECTION = "fp8_meta"
 
@@ -89,18 +87,7 @@ def recipe_of(cfg: Fp8Config | Recipe) -> Recipe:
     """The validated, hashable form of an Fp8Config (a Recipe is returned as is)."""
     if isinstance(cfg, Recipe):
         return cfg
-    if cfg.recipe not in ("delayed", "current"):
-        raise ConfigError(f"fp8.recipe={cfg.recipe!r} is unknown; choose delayed or current")
-    if cfg.format not in ("hybrid", "e4m3"):
-        raise ConfigError(f"fp8.format={cfg.format!r} is unknown; choose hybrid (E4M3 forward, "
-                          "E5M2 gradients) or e4m3")
-    if cfg.amax_compute_algo not in ("max", "most_recent"):
-        raise ConfigError(f"fp8.amax_compute_algo={cfg.amax_compute_algo!r} is unknown; "
-                          "choose max or most_recent")
-    if cfg.amax_history_len < 1 or cfg.margin < 0:
-        raise ConfigError("fp8.amax_history_len must be >= 1 and fp8.margin >= 0")
-    if cfg.recipe == "current" and cfg.margin:
-        raise ConfigError(FP8_CURRENT_MARGIN.format(margin=cfg.margin))
+    check_fp8(cfg)  # the config's own rules, also for configs built without validate()
     bwd = E5M2 if cfg.format == "hybrid" else E4M3
     return Recipe(cfg.recipe == "current", E4M3, bwd, int(cfg.margin), cfg.amax_compute_algo,
                   int(cfg.amax_history_len))

@@ -86,16 +86,6 @@ def layer_spans(num_layers: int, fp8: Optional[Fp8Layers]) -> list[tuple[int, in
     return [s for s in spans if s[1] > s[0]]
 
 
-def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
-    """{projection name: (K contracting size, N output size, which of them tensor shards)}."""
-    d, h, k, e, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim,
-                     cfg.mlp_size)
-    return {"blocks/attn/wq": (d, h * e, "N"), "blocks/attn/wk": (d, k * e, "N"),
-            "blocks/attn/wv": (d, k * e, "N"), "blocks/attn/wo": (h * e, d, "K"),
-            "blocks/mlp/w_gate": (d, f, "N"), "blocks/mlp/w_up": (d, f, "N"),
-            "blocks/mlp/w_down": (f, d, "K")}
-
-
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype):
     value = init(rngs.params(), shape, dtype)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.config import CONTEXT_STRATEGIES, ConfigError
+from jaxtrain.config import ConfigError, check_context_core
 from jaxtrain.data.context import context_order
 from jaxtrain.parallel import sharding
 
@@ -279,15 +279,7 @@ def core_name(core) -> str:
 
 
 def check_supported(core, strategy: str) -> None:
-    name = core_name(core)
-    if strategy not in CONTEXT_STRATEGIES:
-        raise ContextAttentionError(f"parallel.context_strategy={strategy!r} is unknown; choose "
-                                    f"one of {', '.join(CONTEXT_STRATEGIES)}")
-    if name not in CONTEXT_STRATEGIES[strategy]:
-        raise ContextAttentionError(
-            f"parallel.context_strategy={strategy} is not supported by model.attention={name}; "
-            + "; ".join(f"{k} runs on {', '.join(a for a in v if a != 'auto')}"
-                        for k, v in CONTEXT_STRATEGIES.items()) + ": change one of them")
+    check_context_core(strategy, core_name(core), ContextAttentionError)
 
 
 def check_backend(strategy: str, stages: int, platform: str) -> None:

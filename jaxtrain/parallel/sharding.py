@@ -62,8 +62,9 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
 
 
 def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
-    """Everything about the layout that can be checked before compiling; the mesh degrees."""
-    layout_from_config(cfg, n_devices)  # divisibility of heads, MLP, batch, sequence, layers
+    """The mesh degrees, once the layout's rules pass (the ledger's: heads, MLP, batch,
+    sequence, layers vs the degrees; config_check.check runs these and every other rule)."""
+    layout_from_config(cfg, n_devices)
     return mesh_shape(cfg, n_devices)
 
 

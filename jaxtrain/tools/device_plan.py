@@ -40,6 +40,7 @@ import math
 
 from jaxtrain import config
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.config_check import check
 from jaxtrain.ledger import Estimate, Gpu, Layout, LayoutError, describe, estimate, get_gpu
 from jaxtrain.ledger.layout import layers_per_chunk, layout_from_config, tensor_splits_model
 
@@ -160,8 +161,11 @@ def _tensor_ok(cfg: Config, t: int, n: int) -> bool:
 
 
 def _context_ok(cfg: Config, c: int) -> bool:
-    seq, balanced = cfg.train.seq_len, cfg.parallel.context_load_balance
-    return c == 1 or (seq % c == 0 and (not balanced or (c % 2 == 0 and seq % (2 * c) == 0)))
+    try:
+        config.check_context_split(cfg.train.seq_len, c, cfg.parallel.context_load_balance)
+        return True
+    except ConfigError:
+        return False
 
 
 def runs_as_is(cfg: Config, n: int) -> bool:
@@ -215,10 +219,8 @@ def scale_to_devices(cfg: Config, planned: Planned, n: int) -> tuple[Config, lis
         return cfg, []
     if planned.layout is None:
         raise LayoutError(f"cannot scale the configured layout to {n} devices: {planned.error}")
-    from jaxtrain.parallel import sharding
     out, changes = _scaled(cfg, planned, n)
-    out.validate()
-    sharding.validate_layout(out, n)
+    check(out.validate(), n)
     return out, changes
 
 

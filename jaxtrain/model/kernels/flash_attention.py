@@ -32,7 +32,7 @@ from jax import lax
 from jaxtrain.model.kernels import block_map
 from jaxtrain.model.kernels.flash_backward import _backward
 from jaxtrain.model.kernels.flash_config import (MAX_HEAD_DIM, SUPPORTED_DTYPES,
-                                                 FlashAttentionError, SegmentIds,
+                                                 FlashAttentionError, SegmentIds, check_groups,
                                                  _exact_segment_ids, _options, _prepare, _resolve,
                                                  _split_positions, _split_segments)
 from jaxtrain.model.kernels.flash_forward import _forward
@@ -62,8 +62,7 @@ def reference_attention(q, k, v, segment_ids: SegmentIds = None, causal: bool = 
   """
   B, S, H, D = q.shape
   K = k.shape[2]
-  if H % K:
-    raise FlashAttentionError(f"num_heads={H} is not a multiple of num_kv_heads={K}.")
+  check_groups(H, K)
   group = H // K
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)

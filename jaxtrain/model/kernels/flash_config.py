@@ -131,6 +131,14 @@ def _split_positions(positions):
   return tuple(positions)
 
 
+def check_groups(H: int, K: int) -> None:
+  """GQA's one rule: query heads group evenly over kv heads."""
+  if K == 0 or H % K:
+    raise FlashAttentionError(
+        f"num_heads={H} must be a multiple of num_kv_heads={K} (GQA groups query heads evenly "
+        "over kv heads); pick num_kv_heads among the divisors of num_heads.")
+
+
 def _validate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, one_segment_array: bool):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
@@ -144,10 +152,7 @@ def _validate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, one_segment_array: bool):
     raise FlashAttentionError(f"batch mismatch: q has {B}, k/v have {Bk}.")
   if Dk != D:
     raise FlashAttentionError(f"head_dim mismatch: q has {D}, k/v have {Dk}.")
-  if K == 0 or H % K:
-    raise FlashAttentionError(
-        f"num_heads={H} must be a multiple of num_kv_heads={K} (GQA groups query heads evenly "
-        "over kv heads); pick num_kv_heads among the divisors of num_heads.")
+  check_groups(H, K)
   if not 1 <= D <= MAX_HEAD_DIM:
     raise FlashAttentionError(
         f"head_dim={D} is unsupported: must be in [1, {MAX_HEAD_DIM}] (non-powers of two and "
