@@ -10,6 +10,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxtrain"
 
 # room -> the jaxtrain modules (prefixes) its modules may import
 ALLOWED = {
+    "jaxtrain.config": ("jaxtrain.config",),
+    "jaxtrain.compat": (),
     "jaxtrain.model": ("jaxtrain.config", "jaxtrain.compat", "jaxtrain.model"),
     "jaxtrain.ledger": ("jaxtrain.config", "jaxtrain.ledger", "jaxtrain.parallel.pipeline_schedule"),
     "jaxtrain.data": ("jaxtrain.config", "jaxtrain.data", "jaxtrain.ledger"),

@@ -1,0 +1,189 @@
+"""The rules a config must pass before anything runs (docs/design.md §4)."""
+from __future__ import annotations
+
+import math
+
+from jaxtrain.config.sections import (Config, ConfigError, DataConfig, Fp8Config, ModelConfig,
+                                      ParallelConfig, parse_duration)
+
+# The rules a config must pass before anything runs. `validate` (Config.validate) applies those
+# that need no devices; jaxtrain.config_check.check(cfg, n_devices) applies them too, then the
+# rest. A rule that also holds for the resolved layout (the -1 filled) or for a candidate
+# layout of the planner is one function here, with the error class of its caller.
+
+DEGREES = ("data", "fsdp", "tensor", "context", "stage")
+# Which attention cores (model.attention) run each parallel.context_strategy.
+CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "cudnn"),
+                      "ring": ("auto", "xla", "pallas")}
+FP8_ALIGN = 16  # FP8 GEMMs need K and N multiples of 16 (cuBLASLt, Transformer Engine)
+
+
+def _check(ok: bool, msg: str, error: type[ConfigError] = ConfigError) -> None:
+    if not ok:
+        raise error(msg)
+
+
+def parse_mixture(text: str) -> list[tuple[str, str]]:
+    """`data.mixture` "0.3 A 0.7 B" (spaces or commas) -> [("0.3", "A"), ("0.7", "B")]: the
+    weights as written (exact decimals), each checked to be a number >= 0, their sum > 0."""
+    items = text.replace(",", " ").split()
+    if not items or len(items) % 2:
+        raise ConfigError(f"data.mixture={text!r}: expected weight/directory pairs, e.g. "
+                          "'0.3 /data/web 0.7 /data/code'")
+    pairs = list(zip(items[0::2], items[1::2]))
+    total = 0.0
+    for weight, path in pairs:
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ConfigError(f"data.mixture: {weight!r} (before {path}) is not a number; "
+                              "write weight/directory pairs, e.g. '0.3 /data/web 0.7 "
+                              "/data/code'") from None
+        _check(w >= 0 and w != float("inf"),
+               f"data.mixture: the weight {weight} of {path} must be a finite number >= 0")
+        total += w
+    _check(total > 0, f"data.mixture={text!r}: the weights sum to {total:g}; give at least "
+           "one directory a positive weight")
+    return pairs
+
+
+def validate_data(d: DataConfig) -> None:
+    if d.mixture:
+        _check(d.source == "prepared", f"data.mixture needs data.source=prepared (it is "
+               f"{d.source}); mixtures blend prepared directories")
+        _check(not d.path, "set data.path (one prepared directory) or data.mixture (several), "
+               "not both")
+        parse_mixture(d.mixture)
+    elif d.source == "prepared":
+        _check(bool(d.path), "data.source=prepared needs data.path (a directory written by "
+               "`python -m jaxtrain.data prepare`) or data.mixture")
+    else:
+        _check(d.source == "corpus" or d.path,
+               f"data.source={d.source} needs data.path (a file or folder)")
+
+
+def check_gqa(m: ModelConfig, error: type[ConfigError] = ConfigError) -> None:
+    """Grouped-query attention: every KV head serves the same number of query heads."""
+    _check(m.num_heads % m.num_kv_heads == 0, f"model.num_heads={m.num_heads} is not divisible "
+           f"by model.num_kv_heads={m.num_kv_heads}; grouped-query attention needs whole "
+           "groups: pick a divisor of num_heads", error)
+
+
+def check_fill(p: ParallelConfig, error: type[ConfigError] = ConfigError) -> None:
+    """At most one mesh degree is -1: it fills the devices the others leave."""
+    fill = [f"parallel.{a}" for a in DEGREES if getattr(p, a) == -1]
+    _check(len(fill) <= 1, f"only one of parallel.{'/'.join(DEGREES)} may be -1 (it fills the "
+           f"devices the others leave), but {' and '.join(fill)} are; give all but one a "
+           "degree", error)
+
+
+def check_batch_split(global_batch: int, data: int, fsdp: int, microbatches: int,
+                      filled: str = "", error: type[ConfigError] = ConfigError) -> None:
+    """train.global_batch = data x fsdp x micro-batch x microbatches (docs/design.md §4); a
+    degree of -1 (not resolved yet) is left out, `filled` names the one resolved from -1."""
+    factors = {a: v for a, v in (("data", data), ("fsdp", fsdp)) if v > 1}
+    factors["microbatches"] = microbatches
+    n = math.prod(factors.values())
+    named = " x ".join(f"parallel.{a}={v}" + (" (the fill)" if a == filled else "")
+                       for a, v in factors.items())
+    _check(global_batch % n == 0, f"train.global_batch={global_batch} is not divisible by "
+           f"{named}{f' = {n}' if len(factors) > 1 else ''}; change train.global_batch, "
+           "parallel.microbatches or the layout", error)
+
+
+def check_context_split(seq_len: int, context: int, load_balance: bool,
+                        error: type[ConfigError] = ConfigError) -> None:
+    """The sequence splits over `context` ranks: into 2·context chunks under causal load
+    balancing (the data pipeline gives rank r chunks r and 2c-1-r, jaxtrain/data/context.py)."""
+    s, c = seq_len, context
+    if c == 1:
+        return
+    if not load_balance:
+        _check(s % c == 0, f"train.seq_len={s} is not divisible by parallel.context={c}; use a "
+               f"multiple of {c}", error)
+        return
+    _check(c % 2 == 0, f"parallel.context={c} is odd: causal load balancing (parallel."
+           "context_load_balance=true) is supported for even degrees only (as in MaxText); use "
+           "an even parallel.context or set parallel.context_load_balance=false", error)
+    _check(s % (2 * c) == 0, f"train.seq_len={s} does not split into 2 x parallel.context={c} "
+           f"= {2 * c} chunks (causal load balancing gives rank r chunks r and {2 * c - 1}-r); "
+           f"use a seq_len divisible by {2 * c} or set parallel.context_load_balance=false",
+           error)
+
+
+def check_context_core(strategy: str, attention: str,
+                       error: type[ConfigError] = ConfigError) -> None:
+    """`strategy` (parallel.context_strategy) runs the `attention` core."""
+    _check(strategy in CONTEXT_STRATEGIES, f"parallel.context_strategy={strategy!r} is "
+           f"unknown; choose one of {', '.join(CONTEXT_STRATEGIES)}", error)
+    _check(attention in CONTEXT_STRATEGIES[strategy],
+           f"parallel.context_strategy={strategy} is not supported by model.attention="
+           f"{attention}; " + "; ".join(f"{k} runs on {', '.join(a for a in v if a != 'auto')}"
+                                        for k, v in CONTEXT_STRATEGIES.items())
+           + ": change one of them", error)
+
+
+def check_fp8(f: Fp8Config) -> None:
+    """The fp8 section's own rules (fp8.recipe_of applies them to configs built without
+    validate())."""
+    for key, allowed, how in (("recipe", ("delayed", "current"), "delayed or current"),
+                              ("format", ("hybrid", "e4m3"),
+                               "hybrid (E4M3 forward, E5M2 gradients) or e4m3"),
+                              ("amax_compute_algo", ("max", "most_recent"), "max or most_recent")):
+        _check(getattr(f, key) in allowed,
+               f"fp8.{key}={getattr(f, key)!r} is unknown; choose {how}")
+    _check(f.amax_history_len >= 1, f"fp8.amax_history_len={f.amax_history_len} must be >= 1")
+    _check(f.margin >= 0, f"fp8.margin={f.margin} must be >= 0")
+    _check(f.recipe != "current" or f.margin == 0,
+           f"fp8.margin={f.margin} with fp8.recipe=current: Transformer Engine's current "
+           "scaling has no margin (each tensor is scaled to its own amax); set fp8.margin=0 or "
+           "use fp8.recipe=delayed")
+
+
+def validate(cfg: Config) -> None:
+    """The rules that need no devices (config_check.check(cfg, n_devices) adds the rest)."""
+    m, p, t, f = cfg.model, cfg.parallel, cfg.train, cfg.fp8
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_size",
+                 "max_seq_len"):
+        _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
+    check_gqa(m)
+    _check(m.head_dim > 0 or m.hidden_size % m.num_heads == 0,
+           f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+           "set model.head_dim explicitly")
+    _check(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even for RoPE")
+    _check(t.seq_len <= m.max_seq_len,
+           f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+           "lower train.seq_len or raise model.max_seq_len")
+    _check(t.seq_len > 0 and t.global_batch > 0 and t.steps >= 0,
+           "train.seq_len, train.global_batch must be positive and train.steps non-negative")
+    for name in DEGREES:
+        v = getattr(p, name)
+        _check(v == -1 or v >= 1, f"parallel.{name}={v}: use a positive degree or -1 (fill)")
+    check_fill(p)
+    _check(p.microbatches >= 1, f"parallel.microbatches={p.microbatches} must be >= 1")
+    _check(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
+    if p.context != 1:
+        check_context_core(p.context_strategy, m.attention)
+        _check(p.context != -1 or not p.context_load_balance, "parallel.context=-1 with "
+               "parallel.context_load_balance=true: the data pipeline reorders each sequence "
+               "for a fixed degree; give parallel.context a number or set "
+               "parallel.context_load_balance=false")
+        if p.context > 1:
+            check_context_split(t.seq_len, p.context, p.context_load_balance)
+    _check(not p.sequence_parallel or p.tensor != 1,
+           "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards the sequence "
+           "over the tensor axis); set parallel.tensor or turn sequence_parallel off")
+    check_batch_split(t.global_batch, p.data, p.fsdp, p.microbatches)  # a -1 is left out
+    _check(0 <= cfg.data.eval_fraction < 1, "data.eval_fraction must be in [0, 1)")
+    _check(t.log_every >= 1, "train.log_every must be >= 1")
+    parse_duration(t.max_runtime, "train.max_runtime")  # a malformed one raises here
+    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+    _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
+    validate_data(cfg.data)
+    check_fp8(f)
+    _check(f.bf16_first_layers >= 0 and f.bf16_last_layers >= 0,
+           "fp8.bf16_first_layers and fp8.bf16_last_layers must be >= 0")
+    _check(f.bf16_first_layers + f.bf16_last_layers <= m.num_layers,
+           f"fp8.bf16_first_layers={f.bf16_first_layers} + fp8.bf16_last_layers="
+           f"{f.bf16_last_layers} exceeds model.num_layers={m.num_layers}; lower them")
+    _check(cfg.remat.num_layers >= 0, "remat.num_layers must be >= 0")
