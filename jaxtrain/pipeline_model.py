@@ -83,9 +83,6 @@ class PipelineModel:
     def mesh(self):
         return self.setup.mesh
 
-    def bind(self, params, fp8_meta=None):
-        return self.setup.bind(params, fp8_meta)
-
     def layer_modes(self, use_fp8: bool) -> np.ndarray:
         """[L] what each layer runs as: FP8 in its FP8 spans when use_fp8, else PLAIN."""
         modes = np.full(self.setup.cfg.model.num_layers, PLAIN, np.float32)
@@ -132,10 +129,10 @@ class PipelineModel:
         return head
 
     def embed_fn(self, edge_row, inputs):
-        return self.bind({"embed": edge_row["table"]}).embed_tokens(inputs["inputs"])
+        return self.setup.bind({"embed": edge_row["table"]}).embed_tokens(inputs["inputs"])
 
     def head_loss_fn(self, edge_row, x_BSD, aux):
-        logits_BSV = self.bind(self.head_params_of(edge_row)).logits(x_BSD)
+        logits_BSV = self.setup.bind(self.head_params_of(edge_row)).logits(x_BSD)
         return model_lib.cross_entropy_sum(logits_BSV, aux["targets"], aux["loss_mask"])[0]
 
     def modes(self, use_fp8: bool):
@@ -153,7 +150,7 @@ class PipelineModel:
         gradients back)."""
         cfg, p = self.setup.cfg, self.schedule.stages
         metas = None if fp8_meta is None else {"blocks": fp8_meta["blocks"]}
-        blocks = self.bind({"blocks": params["blocks"]}, metas).block_fn()[1]
+        blocks = self.setup.bind({"blocks": params["blocks"]}, metas).block_fn()[1]
         # stored in chunk order (layer_order): a local reshape to [p, v, Lc, ...]
         v = self.schedule.virtual_stages
         chunks = jax.tree.map(lambda a: a.reshape((p, v, -1) + a.shape[1:]), blocks)
