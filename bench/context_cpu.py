@@ -35,7 +35,7 @@ def measure(c: int, strategy: str, extra):
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:c]))
     train_step = step.make_train_step(setup, donate=False)
     batch = random_batch(cfg, setup.mesh)
-    memory = hlo.memory(train_step.lower(step.abstract_train_state(setup), batch).compile())
+    memory = hlo.memory(train_step.lower(setup.abstract_train_state, batch).compile())
     state = step.init_train_state(setup, 0)
     state, metrics = train_step(state, batch)
     jax.block_until_ready(state)

@@ -33,7 +33,7 @@ def measure(schedule, v, m, extra):
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
     train_step = step.make_train_step(setup, donate=False)
     batch = random_batch(cfg, setup.mesh)
-    temp = hlo.memory(train_step.lower(step.abstract_train_state(setup), batch).compile())
+    temp = hlo.memory(train_step.lower(setup.abstract_train_state, batch).compile())
     state = step.init_train_state(setup, 0)
     jax.block_until_ready(train_step(state, batch))
     times = []

@@ -1,9 +1,12 @@
 """The Llama model on the pipeline executor: the train step's loss and grads when stage > 1.
 
-`loss_and_grads(setup)` has the contract of `step.loss_and_grads(setup)`: a function
-`(params, batch) -> (loss, tokens, grads, None)` over the usual pure-dict params (blocks
-stacked [L, ...]) and a global batch [B, S]; loss = summed token loss / token count, so it
-equals the unpipelined step up to float rounding. How the model maps onto the executor:
+`grad_sums(setup)` has the contract of `step.grad_sums(setup)`: a function `(compute params,
+batch, fp8_meta=None) -> (summed token loss, token count, fp32 gradients of that sum, amax
+observations)` over the usual pure-dict params (blocks stacked [L, ...]) and a global batch
+[B, S]; step.loss_and_grads casts the params, runs it and divides by the token count once,
+for both executors, so the pipelined step equals the unpipelined one up to float rounding.
+The model is step's: the Setup's graphdef (built once, with the ops that leave weights to
+GSPMD when stage > 1), bound by `Setup.bind`. How the model maps onto the executor:
 
 - edge rows (`split_params`): one vocab table and one final norm per stage rank, sharded over
   `stage`: rank 0's row is the embedding, rank p-1's the head (the lm_head transposed, or the
@@ -28,13 +31,12 @@ equals the unpipelined step up to float rounding. How the model maps onto the ex
   segment ids; what the backward needs of them is stashed with the chunk's residuals;
 - head: final norm + lm_head + summed cross entropy on (targets, loss_mask) as aux.
 
-The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once,
-after the loop: a reduce-scatter where ZeRO-1 shards them), mapped back to the params through
-split_params' transpose. Microbatches: the global batch [B, S] (sharded over data x fsdp)
-becomes [m, B/m, S] with the rows of each device staying on it (row r of a device's block goes
-to microbatch r % m, as step.split_microbatches). The schedule comes from cfg.parallel
-(schedule, stage, virtual_stages, microbatches). `eval_sums(setup)` is the forward-only
-variant of step.make_eval_step's sums.
+The gradients come from pipeline.pipelined_value_and_grad with reduction="sum" (fp32, reduced
+over data once, after the loop: a reduce-scatter where ZeRO-1 shards them), mapped back to the
+params through split_params' transpose. Microbatches: step.split_microbatches of the global
+batch on the mesh, [B, S] (sharded over data x fsdp) -> [m, B/m, S] with the rows of each
+device staying on it. The schedule comes from cfg.parallel (schedule, stage, virtual_stages,
+microbatches). `eval_sums(setup)` is the forward-only variant, step.eval_sums' peer.
 """
 from __future__ import annotations
 
@@ -48,15 +50,14 @@ from flax import nnx
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain import step
 from jaxtrain.model import fp8 as fp8_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.parallel import pipeline as pl
-from jaxtrain.parallel import sharding
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.parallel.pipeline import PipelineError
 
-__all__ = ["PipelineModel", "build", "loss_and_grads", "eval_sums",
-           "split_microbatches"]
+__all__ = ["PipelineModel", "build", "grad_sums", "loss_and_grads", "eval_sums"]
 
 CHUNK_AUX_KEYS = ("positions", "segment_ids")
 HEAD_AUX_KEYS = ("targets", "loss_mask")
@@ -70,10 +71,7 @@ SKIP, PLAIN, FP8 = 0, 1, 2
 @dataclasses.dataclass(frozen=True)
 class PipelineModel:
     """The pieces the executor runs, built once per setup (all static)."""
-    setup: Any
-    graphdef: Any              # the Llama with shard_map-safe constraints
-    abstract_state: Any        # its params (nnx.State of ShapeDtypeStruct)
-    abstract_meta: Any         # its FP8 metas, or None without FP8
+    setup: step.Setup          # its model: graphdef, abstract state, ops, bind
     block_apply: Any           # (layer_state, x, cos, sin, segment_ids, fp8) -> x
     run_layers: Any            # the remat layer runner, applied to one chunk
     schedule: pl.Schedule
@@ -83,18 +81,6 @@ class PipelineModel:
     @property
     def mesh(self):
         return self.setup.mesh
-
-    def bind(self, params, fp8_meta=None):
-        """A Llama over (a subset of) the pure-dict params (and FP8 metas); absent leaves stay
-        abstract."""
-        state = jax.tree.map(lambda x: x, self.abstract_state)
-        nnx.replace_by_pure_dict(state, params)
-        if self.abstract_meta is None:
-            return nnx.merge(self.graphdef, state)
-        meta = jax.tree.map(lambda x: x, self.abstract_meta)
-        if fp8_meta is not None:
-            nnx.replace_by_pure_dict(meta, fp8_meta)
-        return nnx.merge(self.graphdef, state, meta)
 
     def layer_modes(self, use_fp8: bool) -> np.ndarray:
         """[L] what each layer runs as: FP8 in its FP8 spans when use_fp8, else PLAIN."""
@@ -142,10 +128,10 @@ class PipelineModel:
         return head
 
     def embed_fn(self, edge_row, inputs):
-        return self.bind({"embed": edge_row["table"]}).embed_tokens(inputs["inputs"])
+        return self.setup.bind({"embed": edge_row["table"]}).embed_tokens(inputs["inputs"])
 
     def head_loss_fn(self, edge_row, x_BSD, aux):
-        logits_BSV = self.bind(self.head_params_of(edge_row)).logits(x_BSD)
+        logits_BSV = self.setup.bind(self.head_params_of(edge_row)).logits(x_BSD)
         return model_lib.cross_entropy_sum(logits_BSV, aux["targets"], aux["loss_mask"])[0]
 
     def modes(self, use_fp8: bool):
@@ -163,7 +149,7 @@ class PipelineModel:
         gradients back)."""
         cfg, p = self.setup.cfg, self.schedule.stages
         metas = None if fp8_meta is None else {"blocks": fp8_meta["blocks"]}
-        blocks = self.bind({"blocks": params["blocks"]}, metas).block_fn()[1]
+        blocks = self.setup.bind({"blocks": params["blocks"]}, metas).block_fn()[1]
         # stored in chunk order (layer_order): a local reshape to [p, v, Lc, ...]
         v = self.schedule.virtual_stages
         chunks = jax.tree.map(lambda a: a.reshape((p, v, -1) + a.shape[1:]), blocks)
@@ -181,43 +167,41 @@ class PipelineModel:
             table, NamedSharding(self.mesh, P(pl.STAGE_AXIS, *spec)))
         return chunks, {"table": table, "norm": norm}
 
-    def loss_and_grads(self, params, batch, fp8_meta=None):
-        """(mean over microbatches and replicas of their summed token loss, fp32 grads of it
-        w.r.t. params (and the metas' observations, or None)): the executor's manual
-        backward, mapped back through split_params' transpose."""
-        mbs = split_microbatches(batch, self.mesh, self.schedule.microbatches)
+    def _executor_args(self, params, batch, fp8_meta):
+        """The executor's positional arguments and keywords for these params and batch."""
+        mbs = step.split_microbatches(batch, self.schedule.microbatches, self.mesh)
         chunks, edge = self.split_params(params, fp8_meta)
+        chunk_fn = functools.partial(self.chunk_fn, mode=self.uniform_mode(fp8_meta is not None))
+        args = (chunk_fn, self.head_loss_fn, (chunks, self.modes(fp8_meta is not None)), None,
+                {"inputs": mbs["inputs"]}, {k: mbs[k] for k in HEAD_AUX_KEYS})
+        kw = dict(schedule=self.schedule, mesh=self.mesh, embed_fn=self.embed_fn,
+                  chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, edge_params=edge,
+                  reduction="sum")
+        return args, kw
+
+    def grad_sums(self, params, batch, fp8_meta=None):
+        """(summed token loss over microbatches and replicas, fp32 gradients of that sum
+        w.r.t. params, the metas' observations or None): the executor's manual backward,
+        mapped back through split_params' transpose."""
+        args, kw = self._executor_args(params, batch, fp8_meta)
         loss, (d_chunks, d_edge, _), _ = pl.pipelined_value_and_grad(
-            functools.partial(self.chunk_fn, mode=self.uniform_mode(fp8_meta is not None)),
-            self.head_loss_fn, (chunks, self.modes(fp8_meta is not None)), None,
-            {"inputs": mbs["inputs"]}, {k: mbs[k] for k in HEAD_AUX_KEYS},
-            schedule=self.schedule, mesh=self.mesh, embed_fn=self.embed_fn,
-            chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, edge_params=edge,
-            combine=None if fp8_meta is None else FP8_COMBINE)
+            *args, **kw, combine=None if fp8_meta is None else FP8_COMBINE)
         f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
         # the glue is linear: its transpose at any point (XLA drops the unused forward)
         _, transpose = jax.vjp(self.split_params, f32(params), f32(fp8_meta))
         d_params, d_meta = transpose((d_chunks[0], d_edge))
         return loss, d_params, d_meta
 
-    def loss_sum(self, params, batch, fp8_meta=None, *, bubble_fill: float = 0.0):
-        """(mean over microbatches and data replicas of their summed token loss, tokens),
-        from the forward ops only."""
-        mbs = split_microbatches(batch, self.mesh, self.schedule.microbatches)
-        chunks, edge = self.split_params(params, fp8_meta)
-        chunk_fn = functools.partial(self.chunk_fn, mode=self.uniform_mode(fp8_meta is not None))
-        loss = pl.pipelined_loss(
-            chunk_fn, self.head_loss_fn, (chunks, self.modes(fp8_meta is not None)), None,
-            {"inputs": mbs["inputs"]}, {k: mbs[k] for k in HEAD_AUX_KEYS},
-            schedule=self.schedule, mesh=self.mesh, embed_fn=self.embed_fn,
-            chunk_aux={k: mbs[k] for k in CHUNK_AUX_KEYS}, bubble_fill=bubble_fill,
-            edge_params=edge)
-        return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    def loss_sums(self, params, batch, fp8_meta=None, *, bubble_fill: float = 0.0):
+        """(summed token loss over microbatches and replicas, tokens), from the forward ops
+        only."""
+        args, kw = self._executor_args(params, batch, fp8_meta)
+        loss = pl.pipelined_loss(*args, **kw, bubble_fill=bubble_fill)
+        return loss, token_count(batch)
 
-    @property
-    def replicas(self) -> int:
-        """How many (microbatch, data replica) losses the executor averages."""
-        return self.schedule.microbatches * self.mesh.shape.get(pl.DATA_AXIS, 1)
+
+def token_count(batch):
+    return jnp.sum(batch["loss_mask"].astype(jnp.float32))
 
 
 def _add_at_fp8(acc, j, d):
@@ -241,74 +225,41 @@ def _reduce_fp8(tree, axis):
 FP8_COMBINE = pl.GradCombine(_add_at_fp8, _reduce_fp8)
 
 
-def build(setup) -> PipelineModel:
-    """The PipelineModel of `setup` (whose config step.build has checked)."""
+def build(setup: step.Setup) -> PipelineModel:
+    """The PipelineModel of `setup` (whose config step.build has checked), on setup's model."""
     cfg, mesh = setup.cfg, setup.mesh
     par = cfg.parallel
     p, v, m = mesh.shape.get(pl.STAGE_AXIS, 1), par.virtual_stages, par.microbatches
     stage_layers = stage_layer_counts(cfg, p, v)
     schedule = pl.build_schedule(par.schedule, p, m, v)
-    # Weights are left to GSPMD inside the executor's per-rank conditionals (ActivationSharding)
-    from jaxtrain.step import make_ops
-    ops = make_ops(cfg, mesh, constrain_weights=False)
-    abstract = nnx.eval_shape(lambda: model_lib.Llama(setup.model_cfg, rngs=nnx.Rngs(0),
-                                                      ops=ops, real_vocab=cfg.model.vocab_size))
-    if ops.fp8 is not None:
-        graphdef, abstract_state, abstract_meta = nnx.split(abstract, nnx.Param,
-                                                            model_lib.Fp8MetaState)
-    else:
-        (graphdef, abstract_state), abstract_meta = nnx.split(abstract), None
-    block_apply = abstract.block_fn()[0]
-    return PipelineModel(setup, graphdef, abstract_state, abstract_meta, block_apply,
-                         ops.run_layers or model_lib.scan_layers, schedule, stage_layers,
-                         ops.fp8)
+    states = [x for x in (setup.abstract_state, setup.abstract_meta) if x is not None]
+    block_apply = nnx.merge(setup.graphdef, *states).block_fn()[0]
+    ops = setup.ops
+    return PipelineModel(setup, block_apply, ops.run_layers or model_lib.scan_layers, schedule,
+                         stage_layers, ops.fp8)
 
 
-def split_microbatches(batch: dict, mesh, m: int) -> dict:
-    """[B, ...] -> [m, B/m, ...] keeping each device's rows on it: row r of a device's block
-    (B sharded over data x fsdp) goes to microbatch r % m."""
-    n = sharding.batch_row_shards(mesh)
-    spec = sharding.batch_spec(mesh)
-
-    def one(a):
-        if a.shape[0] % (n * m):
-            raise PipelineError(f"batch dim {a.shape[0]} does not split into data*fsdp={n} x "
-                                f"microbatches={m}; change train.global_batch or "
-                                "parallel.microbatches")
-        b = a.shape[0] // (n * m)
-        a = jnp.moveaxis(a.reshape(n, b, m, *a.shape[1:]), 2, 0).reshape(m, n * b, *a.shape[1:])
-        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(None, *spec)))
-    return {k: one(a) for k, a in batch.items()}
-
-
-def loss_and_grads(setup):
-    """`fn(params, batch, fp8_meta=None) -> (loss, tokens, grads, meta_grad)`:
-    step.loss_and_grads on the pipeline (meta_grad: the FP8 metas' amax observations, max
-    over microbatches and data replicas; None without fp8_meta)."""
-    from jaxtrain.step import compute_params
+def grad_sums(setup: step.Setup):
+    """`fn(compute params, batch, fp8_meta=None) -> (loss sum, tokens, grads of the sum,
+    meta observations)`: step.grad_sums on the pipeline (the observations: the FP8 metas'
+    amaxes, max over microbatches and data replicas; None without fp8_meta)."""
     pm = build(setup)
 
     def fn(params, batch, fp8_meta=None):
-        params = compute_params(setup, params)
-        tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-        # the executor averages per-(microbatch, replica) sums: rescale to sum / tokens (an
-        # observation's amax is a ratio, unchanged by the scale)
-        scale = pm.replicas / jnp.maximum(tokens, 1.0)
-        loss, grads, meta_grad = pm.loss_and_grads(params, batch, fp8_meta)
-        grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(g * scale, sh),
-                             grads, setup.param_shardings)
-        if meta_grad is not None:
-            meta_grad = jax.tree.map(lambda g: g * scale, meta_grad)
-        return loss * scale, tokens, grads, meta_grad
+        loss, grads, meta_grad = pm.grad_sums(params, batch, fp8_meta)
+        return loss, token_count(batch), grads, meta_grad
     return fn
 
 
-def eval_sums(setup):
+def loss_and_grads(setup: step.Setup):
+    """step.loss_and_grads of a pipelined setup: `fn(params, batch, fp8_meta=None) -> (loss,
+    tokens, grads, meta_grad)`."""
+    if setup.mesh.shape.get(pl.STAGE_AXIS, 1) < 2:
+        raise PipelineError("pipeline_model runs setups with parallel.stage > 1")
+    return step.loss_and_grads(setup)
+
+
+def eval_sums(setup: step.Setup):
     """`fn(params, batch, fp8_meta=None) -> (summed token loss, tokens)`: forward ops only, as
-    step.make_eval_step's sums (unjitted); in FP8 when given the metas."""
-    pm = build(setup)
-
-    def fn(params, batch, fp8_meta=None):
-        mean, tokens = pm.loss_sum(params, batch, fp8_meta)
-        return mean * pm.replicas, tokens
-    return fn
+    step.eval_sums (unjitted); in FP8 when given the metas."""
+    return build(setup).loss_sums

@@ -18,6 +18,7 @@ each amax over the fsdp/tensor shards) and turned into the next metas by
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import jax
@@ -33,7 +34,7 @@ from jaxtrain.model import fp8 as fp8_lib
 from jaxtrain.parallel import layer_order
 from jaxtrain.model import llama as model_lib
 from jaxtrain import config_check, optim, weights, xla_flags
-from jaxtrain import pipeline_model
+from jaxtrain.model.fp8_plan import fp8_layers
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
 from jaxtrain.config import Config, ConfigError
@@ -47,7 +48,8 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 @dataclasses.dataclass
 class Setup:
-    """Everything static about a run on a mesh."""
+    """Everything static about a run on a mesh, computed once (`build`) and shared by both
+    executors: the model (built once, abstract), its ops, where the state lives."""
     cfg: Config
     mesh: Mesh
     graphdef: Any
@@ -57,33 +59,49 @@ class Setup:
     compute_shardings: Any    # where the params a step computes with live (differs under ZeRO-1)
     optimizer: optax.GradientTransformation
     model_cfg: Any
+    ops: model_lib.Ops        # the model's injected ops (make_ops), in graphdef
     abstract_meta: Any = None  # nnx.State of the FP8 metas (ShapeDtypeStruct); None: no FP8
     fp8: Optional[fp8_lib.Recipe] = None
     layer_order: Optional[LayerOrder] = None  # rows of the layer-stacked state (layer_order.py)
 
+    @functools.cached_property
+    def abstract_train_state(self):
+        """The train state's shapes and shardings (ShapeDtypeStructs), allocating nothing:
+        what init, restore, import, the jitted steps and AOT compiles all place it by."""
+        shapes = jax.eval_shape(lambda: fresh_state(self, nnx.to_pure_dict(self.abstract_state)))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, _state_shardings(self, shapes))
+
+    @functools.cached_property
+    def state_shardings(self):
+        """The train state's shardings (of `abstract_train_state`)."""
+        return jax.tree.map(lambda s: s.sharding, self.abstract_train_state)
+
+    @property
+    def batch_shardings(self) -> dict:
+        """The global batch's shardings, per key of BATCH_KEYS."""
+        return {k: sharding.batch_sharding(self.mesh) for k in BATCH_KEYS}
+
     def bind(self, params, fp8_meta=None):
         """A Llama module over the pure-dict `params` (works on tracers inside jit), with the
-        pure-dict `fp8_meta` when FP8 is on (fresh metas when None: only for bf16 runs)."""
+        pure-dict `fp8_meta` when FP8 is on (fresh metas when None: only for bf16 runs). A
+        subset of the params binds too (the pipeline's embedding, head, blocks); the rest,
+        and the metas of parts not bound, stay abstract. Both executors bind through this."""
         state = jax.tree.map(lambda x: x, self.abstract_state)
         nnx.replace_by_pure_dict(state, params)
         if self.abstract_meta is None:
             return nnx.merge(self.graphdef, state)
         meta_state = jax.tree.map(lambda x: x, self.abstract_meta)
-        nnx.replace_by_pure_dict(meta_state, fp8_meta if fp8_meta is not None
-                                 else init_fp8_meta(self))
+        if fp8_meta is None:  # the metas mirror their projections' paths
+            fp8_meta = init_fp8_meta(self, parts=params.keys())
+        nnx.replace_by_pure_dict(meta_state, fp8_meta)
         return nnx.merge(self.graphdef, state, meta_state)
 
 
-def fp8_layers(cfg: Config) -> model_lib.Fp8Layers | None:
-    """The model's FP8 plan from fp8.*; None when FP8 is off."""
-    f = cfg.fp8
-    if not f.enabled:
-        return None
-    return model_lib.Fp8Layers(fp8_lib.recipe_of(f), f.bf16_first_layers, f.bf16_last_layers)
-
-
 def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) -> model_lib.Ops:
-    """The model's injected ops for `cfg` on `mesh` (None: one device, no constraints)."""
+    """The model's injected ops for `cfg` on `mesh` (None: one device, no constraints).
+    `constrain_weights=False` leaves weights to GSPMD (the pipeline executor's per-rank
+    conditionals)."""
     constrain = model_lib.identity_constrain
     if mesh is not None:
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
@@ -116,28 +134,38 @@ def build(cfg: Config, mesh: Mesh) -> Setup:
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=padded_vocab(cfg.model.vocab_size, layout.tensor),
         num_layers=len(order.rows))
-    ops = make_ops(cfg, mesh)
-    abstract = nnx.eval_shape(lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(0), ops=ops,
-                                                      real_vocab=cfg.model.vocab_size))
-    abstract_meta = None
-    if ops.fp8 is not None:
-        graphdef, abstract_state, abstract_meta = nnx.split(abstract, nnx.Param,
-                                                            model_lib.Fp8MetaState)
-    else:
-        graphdef, abstract_state = nnx.split(abstract)
+    # Weights are left to GSPMD inside the pipeline executor's per-rank conditionals; the
+    # model is built once, for whichever executor runs it (loss_and_grads dispatches on p)
+    ops = make_ops(cfg, mesh, constrain_weights=p == 1)
+    graphdef, abstract_state, abstract_meta = split_model(nnx.eval_shape(
+        lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(0), ops=ops,
+                                real_vocab=cfg.model.vocab_size)))
     logical = sharding.logical_axes(abstract_state)
     shapes = nnx.to_pure_dict(abstract_state)
     master = sharding.param_specs(logical, shapes, mesh, zero1=cfg.parallel.zero1)
     compute = sharding.param_specs(logical, shapes, mesh)
     return Setup(cfg, mesh, graphdef, abstract_state, logical, sharding.named(mesh, master),
                  sharding.named(mesh, compute), optim.make_optimizer(cfg.train), model_cfg,
-                 abstract_meta, ops.fp8.recipe if ops.fp8 is not None else None, order)
+                 ops, abstract_meta, ops.fp8.recipe if ops.fp8 is not None else None, order)
 
 
-def init_fp8_meta(setup: Setup):
-    """Fresh metas (scale 1, empty histories) in the pure-dict layout of the train state."""
-    return jax.tree.map(lambda m: fp8_lib.init_meta(setup.fp8, m.x.scale.shape),
-                        nnx.to_pure_dict(setup.abstract_meta), is_leaf=fp8_lib.is_fp8_meta)
+def split_model(model):
+    """(graphdef, params, FP8 metas or None) of a Llama, as nnx.States: what optax trains
+    and what FP8 replaces each step, split in this one place."""
+    if model.ops.fp8 is None:
+        graphdef, params = nnx.split(model)
+        return graphdef, params, None
+    return nnx.split(model, nnx.Param, model_lib.Fp8MetaState)
+
+
+def init_fp8_meta(setup: Setup, parts=None):
+    """Fresh metas (scale 1, empty histories) in the pure-dict layout of the train state (of
+    the top-level `parts` only, when given)."""
+    metas = nnx.to_pure_dict(setup.abstract_meta)
+    if parts is not None:
+        metas = {k: v for k, v in metas.items() if k in parts}
+    return jax.tree.map(lambda m: fp8_lib.init_meta(setup.fp8, m.x.scale.shape), metas,
+                        is_leaf=fp8_lib.is_fp8_meta)
 
 
 def fresh_state(setup: Setup, params, fp8_meta=None) -> dict:
@@ -150,15 +178,7 @@ def fresh_state(setup: Setup, params, fp8_meta=None) -> dict:
     return state
 
 
-def abstract_train_state(setup: Setup):
-    """Shapes and shardings of the train state, allocating nothing."""
-    shapes = jax.eval_shape(lambda: fresh_state(setup, nnx.to_pure_dict(setup.abstract_state)))
-    shardings = state_shardings(setup, shapes)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, shardings)
-
-
-def state_shardings(setup: Setup, shapes):
+def _state_shardings(setup: Setup, shapes):
     replicated = NamedSharding(setup.mesh, P())
     params_sh = setup.param_shardings
     param_struct = jax.tree.structure(shapes["params"])
@@ -182,8 +202,6 @@ def state_shardings(setup: Setup, shapes):
 
 def init_train_state(setup: Setup, seed: int):
     """Sharded init: each device materialises only its own shards."""
-    abstract = abstract_train_state(setup)
-    out_shardings = jax.tree.map(lambda s: s.sharding, abstract)
     ops = make_ops(setup.cfg, None)
 
     order = setup.layer_order
@@ -194,12 +212,12 @@ def init_train_state(setup: Setup, seed: int):
         model_cfg = dataclasses.replace(setup.model_cfg, num_layers=order.num_layers)
         model = model_lib.Llama(model_cfg, rngs=nnx.Rngs(seed), ops=ops,
                                 real_vocab=setup.cfg.model.vocab_size)
-        params = layer_order.convert(nnx.to_pure_dict(nnx.state(model, nnx.Param)), natural,
-                                     order)
-        metas = None if setup.fp8 is None else layer_order.convert(
-            nnx.to_pure_dict(nnx.state(model, model_lib.Fp8MetaState)), natural, order)
+        _, params, metas = split_model(model)
+        params = layer_order.convert(nnx.to_pure_dict(params), natural, order)
+        metas = None if metas is None else layer_order.convert(nnx.to_pure_dict(metas),
+                                                               natural, order)
         return fresh_state(setup, params, metas)
-    return jax.jit(init, out_shardings=out_shardings)()
+    return jax.jit(init, out_shardings=setup.state_shardings)()
 
 
 def train_state_from_params(setup, params: dict):
@@ -213,7 +231,7 @@ def train_state_from_params(setup, params: dict):
         raise CheckpointMismatchError(f"params have {have_layers} layers but the configured "
                                       f"model has model.num_layers={order.num_layers}")
     params = layer_order.convert(params, LayerOrder.natural(order.num_layers), order)
-    abstract = abstract_train_state(setup)
+    abstract = setup.abstract_train_state
     check_shapes(params, abstract["params"], "params", missing="they were made for another model",
                  different="they were made for another model config")
 
@@ -221,20 +239,27 @@ def train_state_from_params(setup, params: dict):
         x = np.asarray(x).astype(spec.dtype)
         return jax.make_array_from_callback(spec.shape, spec.sharding, lambda idx: x[idx])
     placed = jax.tree.map(place, abstract["params"], params)
-    shardings = jax.tree.map(lambda s: s.sharding, abstract)
     # donated: the placed params become the state's, not a second copy
-    return jax.jit(lambda p: fresh_state(setup, p), out_shardings=shardings,
+    return jax.jit(lambda p: fresh_state(setup, p), out_shardings=setup.state_shardings,
                    donate_argnums=0)(placed)
 
 
-def split_microbatches(batch, m: int):
+def split_microbatches(batch, m: int, mesh: Mesh | None = None):
     """[B, ...] -> [m, B/m, ...]. Row r of a device's rows goes to microbatch r % m, so the
-    sharding of dim 0 (over fsdp inside the step's shard_map) carries over without moving data."""
+    sharding of dim 0 carries over to dim 1 without moving data: over fsdp inside the step's
+    per-replica shard_map, over data x fsdp for the whole batch on `mesh` (the pipeline's
+    microbatches: then constrained so, and each device's rows must split into m)."""
+    n = 1 if mesh is None else sharding.batch_row_shards(mesh)
+
     def one(x):
-        if x.shape[0] % m:
-            raise ConfigError(f"a batch of {x.shape[0]} rows does not split into "
-                              f"parallel.microbatches={m}; change train.global_batch")
-        return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
+        if x.shape[0] % (n * m):
+            raise ConfigError(f"a batch of {x.shape[0]} rows does not split into data*fsdp={n} "
+                              f"x parallel.microbatches={m}; change train.global_batch")
+        x = jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
+        if mesh is None:
+            return x
+        spec = P(None, *sharding.batch_spec(mesh))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
     return {k: one(v) for k, v in batch.items()}
 
 
@@ -290,11 +315,33 @@ def loss_and_grads(setup: Setup):
     global batch: microbatch accumulation with one data-parallel reduction at the end (the
     module docstring). `meta_grad` (None without `fp8_meta`) holds the step's amax
     observations, max-reduced over microbatches and replicas: feed it to
-    `fp8.apply_meta_update`. With pipeline stages the schedule runs the microbatches."""
-    if setup.mesh.shape["stage"] > 1:
-        return pipeline_model.loss_and_grads(setup)
-    cfg = setup.cfg
-    m = cfg.parallel.microbatches
+    `fp8.apply_meta_update`. With pipeline stages the schedule runs the microbatches.
+
+    The contract of both executors (`grad_sums` here, pipeline_model.grad_sums for stage >
+    1): from the compute params, (summed token loss, token count, fp32 gradients of that sum,
+    amax observations); the one normalisation by the token count is here."""
+    sums = _pipelined().grad_sums(setup) if setup.mesh.shape["stage"] > 1 else grad_sums(setup)
+
+    def fn(params, batch, fp8_meta=None):
+        loss_sum, count, grad_sum, meta_grad = sums(compute_params(setup, params), batch,
+                                                    fp8_meta)
+        total = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(g / total, sh),
+                             grad_sum, setup.param_shardings)
+        return loss_sum / total, count, grads, meta_grad
+    return fn
+
+
+def _pipelined():
+    from jaxtrain import pipeline_model  # it builds on this module
+    return pipeline_model
+
+
+def grad_sums(setup: Setup):
+    """`fn(compute params, batch, fp8_meta=None) -> (loss sum, tokens, fp32 gradient sums,
+    amax observations or None)` of the unpipelined step: each replica scans its microbatches,
+    then the one data-parallel reduction of the step."""
+    m = setup.cfg.parallel.microbatches
 
     def replica_sums(params, meta, rows):
         """One replica: (loss sum, tokens, fp32 gradient sums, max amax observations)."""
@@ -330,29 +377,19 @@ def loss_and_grads(setup: Setup):
     run = per_replica(setup, replica_sums)
 
     def fn(params, batch, fp8_meta=None):
-        loss_sum, count, grad_sum, meta_obs = run(compute_params(setup, params), fp8_meta,
-                                                  batch)
+        loss_sum, count, grad_sum, meta_obs = run(params, fp8_meta, batch)
         # The one data-parallel reduction of the step.
-        total = jnp.maximum(jnp.sum(count), 1.0)
-        grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(
-            jnp.sum(g, axis=0) / total, sh), grad_sum, setup.param_shardings)
+        grad_sum = jax.tree.map(lambda g: jnp.sum(g, axis=0), grad_sum)
         meta_grad = None if meta_obs is None else fp8_lib.max_meta_grads(meta_obs, axis=0)
-        return jnp.sum(loss_sum) / total, jnp.sum(count), grads, meta_grad
+        return jnp.sum(loss_sum), jnp.sum(count), grad_sum, meta_grad
     return fn
-
-
-def _shardings(setup: Setup):
-    abstract = abstract_train_state(setup)
-    state_sh = jax.tree.map(lambda s: s.sharding, abstract)
-    batch_sh = {k: sharding.batch_sharding(setup.mesh) for k in BATCH_KEYS}
-    return state_sh, batch_sh
 
 
 def make_grad_step(setup: Setup):
     """Jitted `(params, batch) -> (loss, tokens, grads)`: the train step without the update,
     for layout comparisons and inspection. With FP8 on: `(params, batch, fp8_meta) -> (loss,
     tokens, grads, next fp8_meta)`."""
-    state_sh, batch_sh = _shardings(setup)
+    state_sh, batch_sh = setup.state_shardings, setup.batch_shardings
     compute = loss_and_grads(setup)
     if setup.fp8 is None:
         return jax.jit(lambda p, b: compute(p, b)[:3], in_shardings=(state_sh["params"], batch_sh),
@@ -388,30 +425,34 @@ def make_train_step(setup: Setup, *, donate: bool = True):
                                                               setup.fp8)
         return new_state, metrics
 
-    state_sh, batch_sh = _shardings(setup)
+    state_sh, batch_sh = setup.state_shardings, setup.batch_shardings
     return jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                    donate_argnums=(0,) if donate else (), compiler_options=_xla_options(setup))
+
+
+def eval_sums(setup: Setup):
+    """`fn(params, batch, fp8_meta=None) -> (summed token loss, tokens)` of the unpipelined
+    forward (pipeline_model.eval_sums for stage > 1)."""
+    replica_sums = per_replica(setup, lambda p, meta, rows: loss_sums(setup, p, rows, meta))
+
+    def fn(params, batch, fp8_meta=None):
+        s, c = replica_sums(params, fp8_meta, batch)
+        return jnp.sum(s), jnp.sum(c)
+    return fn
 
 
 def make_eval_step(setup: Setup):
     """Jitted `(params, batch, fp8_meta=None) -> (loss sum, tokens)`. With FP8 on, passing the
     train state's metas evaluates in FP8 as training runs; without them, in the compute dtype."""
-    mesh = setup.mesh
-    replica_sums = per_replica(setup, lambda p, meta, rows: loss_sums(setup, p, rows, meta))
-
-    def unpipelined_sums(params, batch, fp8_meta=None):
-        s, c = replica_sums(params, fp8_meta, batch)
-        return jnp.sum(s), jnp.sum(c)
-
-    batch_sh = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
-    eval_step = (pipeline_model.eval_sums(setup) if mesh.shape["stage"] > 1
-                 else unpipelined_sums)
+    batch_sh = setup.batch_shardings
+    eval_step = (_pipelined().eval_sums(setup) if setup.mesh.shape["stage"] > 1
+                 else eval_sums(setup))
     plain = jax.jit(lambda params, batch: eval_step(params, batch),
                     in_shardings=(setup.param_shardings, batch_sh),
                     compiler_options=_xla_options(setup))
     if setup.fp8 is None:
         return lambda params, batch, fp8_meta=None: plain(params, batch)
-    meta_sh = _shardings(setup)[0]["fp8_meta"]
+    meta_sh = setup.state_shardings["fp8_meta"]
     with_meta = jax.jit(eval_step, in_shardings=(setup.param_shardings, batch_sh, meta_sh),
                         compiler_options=_xla_options(setup))
 

@@ -104,7 +104,7 @@ def restore_or_init(cfg: Config, setup, ckpt: Checkpointer, train_batches, log) 
     else imported weights (checkpoint.init_from), else a fresh init from train.seed."""
     for path in ckpt.interrupted_saves:
         log(f"ignored {path}: a save interrupted before it was committed (removed)")
-    restored = (ckpt.restore_latest(step_lib.abstract_train_state(setup), setup.layer_order,
+    restored = (ckpt.restore_latest(setup.abstract_train_state, setup.layer_order,
                                     warn=log) if cfg.checkpoint.resume else None)
     if restored is not None:
         latest, state, data_state = restored

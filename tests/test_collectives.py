@@ -57,12 +57,12 @@ def compiled_step(name: str):
     CP_LAYOUTS below)."""
     cfg = tiny_config(*MODEL, *{**LAYOUTS, **CP_LAYOUTS}[name])
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
-    batch_sh = step._shardings(setup)[1]
+    batch_sh = setup.batch_shardings
     batch = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len),
                                      jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=batch_sh[k]) for k in step.BATCH_KEYS}
     compiled = step.make_train_step(setup).lower(
-        step.abstract_train_state(setup), batch).compile(compiler_options=FAST_COMPILE)
+        setup.abstract_train_state, batch).compile(compiler_options=FAST_COMPILE)
     return cfg, setup, compiled, hlo.collectives(compiled, setup.mesh)
 
 

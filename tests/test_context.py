@@ -48,7 +48,7 @@ def _grads(overrides, n_devices, params0=None, batch=None):
     args = (params, batch)
     if setup.fp8 is not None:
         args += (jax.device_put(step.init_fp8_meta(setup),
-                                step._shardings(setup)[0]["fp8_meta"]),)
+                                setup.state_shardings["fp8_meta"]),)
     lowered = step.make_grad_step(setup).lower(*args)
     if cfg.model.attention == "pallas":  # the kernels really run, not an XLA fallback
         hlo_text = lowered.as_text(debug_info=True)

@@ -55,7 +55,7 @@ def _layer_scans(jaxpr):
 
 def _train_step_jaxpr(cfg, lowered_text=False):
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:1]))
-    abstract = step.abstract_train_state(setup)
+    abstract = setup.abstract_train_state
     batch = random_batch(cfg)
     train_step = step.make_train_step(setup, donate=False)
     # what runs: the SP-regathering projections' pullbacks re-trace their (unused) forward
@@ -289,7 +289,7 @@ def test_resume_restores_the_meta_and_reproduces_the_uninterrupted_run(runs):
     assert starts == [1, 11] and sorted(resumed) == list(range(1, STEPS + 1))  # stopped, resumed
     assert [straight[s] for s in resumed] == [resumed[s] for s in resumed]  # bit-exact
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
-    abstract = step.abstract_train_state(setup)
+    abstract = setup.abstract_train_state
     metas = {}
     for run in ("fp8", "resumed"):
         ckpt = Checkpointer(root / run / "checkpoints", CheckpointConfig())

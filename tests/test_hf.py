@@ -309,7 +309,7 @@ def test_export_from_training_checkpoint_and_train_state(tmp_path):
     params = _random_params(setup.model_cfg)
     unpadded = {**params, "embed": params["embed"][:200], "lm_head": params["lm_head"][:, :200]}
     state = step_lib.train_state_from_params(setup, weights.pad_vocab(unpadded, 256))
-    abstract = step_lib.abstract_train_state(setup)
+    abstract = setup.abstract_train_state
     assert jax.tree.structure(state) == jax.tree.structure(abstract)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(abstract)):
         assert got.shape == want.shape and got.sharding == want.sharding

@@ -48,7 +48,7 @@ def compiled(dtype: str, b: int, s: int, train_step: bool = False):
         cfg = calibration_config(dtype, b, s)
         mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
         setup = step.build(cfg, mesh)
-        state = step.abstract_train_state(setup)
+        state = setup.abstract_train_state
         batch = abstract_batch(cfg, mesh)
         fn, args = ((step.make_train_step(setup), (state, batch)) if train_step else
                     (step.make_grad_step(setup), (state["params"], batch)))

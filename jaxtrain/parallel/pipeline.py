@@ -58,6 +58,9 @@ __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_s
 ChunkFn = Callable[..., jax.Array]
 HeadLossFn = Callable[[Any, jax.Array, Any], jax.Array]     # (head params, x, aux_mb) -> scalar
 EmbedFn = Callable[[Any, Any], jax.Array]                   # (embed params, inputs_mb) -> x
+# "mean": over microbatches and data replicas; "sum": their sum (a model whose head returns
+# summed token losses divides by the token count itself, as jaxtrain.step does)
+REDUCTIONS = ("mean", "sum")
 
 
 # ----------------------------------------------------------------------------- layout helpers
@@ -167,21 +170,34 @@ class _Model:
         return d["head"], d["embed"]
 
 
+def _replicas(schedule: Schedule, mesh, reduction: str) -> int:
+    """How many (microbatch, data replica) losses a mean divides by; 1 for a sum."""
+    if reduction not in REDUCTIONS:
+        raise PipelineError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
+    if reduction == "sum":
+        return 1
+    return schedule.microbatches * (mesh.shape[DATA_AXIS] if DATA_AXIS in manual_axes(mesh)
+                                    else 1)
+
+
 def _value_and_grad(model: _Model, chunk_params, edge, x, aux, chunk_aux, *, schedule, mesh,
-                    fill, combine):
-    """(loss, d_chunk, d_edge [p, ...], d_x, peak): fp32 gradients of the mean loss."""
+                    fill, combine, reduction):
+    """(loss, d_chunk, d_edge [p, ...], d_x, peak): fp32 gradients of the mean (or summed)
+    loss."""
     combine = combine or SUM
-    n_data = mesh.shape[DATA_AXIS] if DATA_AXIS in manual_axes(mesh) else 1
+    n = _replicas(schedule, mesh, reduction)
     caux = () if chunk_aux is None else chunk_aux
     loss, d_chunk, d_edge, d_x, peak = ex.execute(
         model.fns, chunk_params, edge, x, aux, caux, schedule=schedule, mesh=mesh,
         backward=True, fill=fill, combine=combine)
-    mean = 1.0 / (schedule.microbatches * n_data)
     # the one data-parallel reduction of the step (a reduce-scatter where the caller's
     # sharding of the gradients splits them over `data`, as ZeRO-1 does)
-    d_chunk = jax.tree.map(lambda d: d * mean, combine.reduce(d_chunk, 0))
-    d_edge = jax.tree.map(lambda d: jnp.sum(d, axis=0) * mean, d_edge)
-    d_x = jax.tree.map(lambda d: d * mean, d_x)
+    d_chunk = combine.reduce(d_chunk, 0)
+    d_edge = jax.tree.map(lambda d: jnp.sum(d, axis=0), d_edge)
+    if reduction == "mean":
+        mean = 1.0 / n
+        loss = loss / n
+        d_chunk, d_edge, d_x = jax.tree.map(lambda d: d * mean, (d_chunk, d_edge, d_x))
     return loss, d_chunk, d_edge, d_x, peak
 
 
@@ -200,11 +216,13 @@ def pipelined_value_and_grad(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_
                              head_params: Any, x_MBSD: Any, aux: Any, *, schedule: Schedule,
                              mesh, embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
                              chunk_aux: Any = None, bubble_fill: float = 0.0,
-                             combine: Optional[GradCombine] = None, edge_params: Any = None):
+                             combine: Optional[GradCombine] = None, edge_params: Any = None,
+                             reduction: str = "mean"):
     """Run the schedule's F and B ops once.
 
     Returns (loss, (d_chunk_params, d_head_params, d_in), stats): loss is the mean of
-    head_loss_fn over microbatches and data replicas; d_in is d_embed_params with `embed_fn`,
+    head_loss_fn over microbatches and data replicas (their sum with reduction="sum"), the
+    gradients are that loss's; d_in is d_embed_params with `embed_fn`,
     else d_x; with `edge_params` the gradients are (d_chunk_params, d_edge_params, d_x or ()).
     Gradients are fp32 (the accumulators'). stats = {"peak_stash": int32[p]}: the residual
     sets each rank held at once, measured in the loop (<= schedule.stash_slots). See
@@ -215,7 +233,7 @@ def pipelined_value_and_grad(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_
     edge = model.edge(head_params, embed_params, edge_params)
     loss, d_chunk, d_edge, d_x, peak = _value_and_grad(
         model, chunk_params, edge, x_MBSD, aux, chunk_aux, schedule=schedule, mesh=mesh,
-        fill=bubble_fill, combine=combine)
+        fill=bubble_fill, combine=combine, reduction=reduction)
     stats = {"peak_stash": peak}
     if model.per_rank:
         return loss, (d_chunk, d_edge, d_x), stats
@@ -237,8 +255,10 @@ def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: An
                    head_params: Any, x_MBSD: Any, aux: Any, *, schedule: Schedule, mesh,
                    embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
                    chunk_aux: Any = None, bubble_fill: float = 0.0,
-                   combine: Optional[GradCombine] = None, edge_params: Any = None) -> jax.Array:
-    """Mean over microbatches k (and data replicas) of head_loss_fn(head_params, y_k, aux[k]),
+                   combine: Optional[GradCombine] = None, edge_params: Any = None,
+                   reduction: str = "mean") -> jax.Array:
+    """Mean over microbatches k (and data replicas) of head_loss_fn(head_params, y_k, aux[k])
+    (their sum with reduction="sum"),
     with y_k the chunks applied in order to x_k = x_MBSD[k], or to embed_fn(embed_params,
     x_MBSD[k]) when `embed_fn` is given (x_MBSD is then any pytree of raw inputs, e.g. tokens).
 
@@ -262,13 +282,14 @@ def pipelined_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: An
     model = _checked((chunk_fn, head_loss_fn, embed_fn, chunk_aux), schedule, mesh,
                      chunk_params, x_MBSD, aux, chunk_aux, embed_fn, edge_params)
     run = functools.partial(_value_and_grad, model, schedule=schedule, mesh=mesh,
-                            fill=bubble_fill, combine=combine)
+                            fill=bubble_fill, combine=combine, reduction=reduction)
+    n = _replicas(schedule, mesh, reduction)
 
     @jax.custom_vjp
     def loss_fn(cp, hp, ep, edge, x, aux_, caux):
         edge_ = model.edge(hp, ep, edge)
         return ex.execute(model.fns, cp, edge_, x, aux_, () if caux is None else caux,
-                          schedule=schedule, mesh=mesh, backward=False, fill=bubble_fill)[0]
+                          schedule=schedule, mesh=mesh, backward=False, fill=bubble_fill)[0] / n
 
     def loss_fwd(cp, hp, ep, edge, x, aux_, caux):
         loss, d_cp, d_edge, d_x, _ = run(cp, model.edge(hp, ep, edge), x, aux_, caux)
@@ -295,7 +316,7 @@ def gpipe_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any, h
                x_MBSD: Any, aux: Any, *, schedule: Schedule, mesh,
                embed_fn: Optional[EmbedFn] = None, embed_params: Any = (),
                chunk_aux: Any = None, bubble_fill: float = 0.0,
-               edge_params: Any = None) -> jax.Array:
+               edge_params: Any = None, reduction: str = "mean") -> jax.Array:
     """Same loss as pipelined_loss from the forward ops only; jax.grad differentiates the scan.
 
     The reference for the manual backward and the evaluation path. Under grad its memory is
@@ -305,6 +326,7 @@ def gpipe_loss(chunk_fn: ChunkFn, head_loss_fn: HeadLossFn, chunk_params: Any, h
     model = _checked((chunk_fn, head_loss_fn, embed_fn, chunk_aux), schedule, mesh,
                      chunk_params, x_MBSD, aux, chunk_aux, embed_fn, edge_params)
     edge = model.edge(head_params, embed_params, edge_params)
+    n = _replicas(schedule, mesh, reduction)
     return ex.execute(model.fns, chunk_params, edge, x_MBSD, aux,
                       () if chunk_aux is None else chunk_aux, schedule=schedule, mesh=mesh,
-                      backward=False, fill=bubble_fill)[0]
+                      backward=False, fill=bubble_fill)[0] / n

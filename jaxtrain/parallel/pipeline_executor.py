@@ -320,7 +320,7 @@ def _init(rk: Rank, table, backward: bool, m: int, fill: float, with_dx: bool) -
 
 
 def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: GradCombine,
-          manual: tuple, n_data: int, chunk_params, edge, x, aux, caux, cols):
+          manual: tuple, chunk_params, edge, x, aux, caux, cols):
     table = schedule.table if backward else schedule.forward_table
     p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
     r = lax.axis_index(STAGE_AXIS)
@@ -338,7 +338,7 @@ def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: Gr
     carry = _init(rk, table, backward, m, fill, fns.embed is None)
     step = functools.partial(_step, fns, rk, combine, backward, cols)
     c, _ = lax.scan(step, carry, jnp.arange(table.num_steps))
-    loss = lax.psum(c.loss, manual) / (m * n_data)
+    loss = lax.psum(c.loss, manual)
     if not backward:
         return loss, c.peak[None]
     stack = lambda tree: jax.tree.map(lambda a: a[None, None], tree)  # noqa: E731
@@ -353,16 +353,16 @@ def execute(fns: Fns, chunk_params, edge, x, aux, caux, *, schedule: Schedule, m
     """Run schedule.table (backward) or schedule.forward_table in one shard_map.
 
     chunk_params and edge lead with [p] (sharded over `stage`); x, aux and caux with [m] (and
-    their batch dim 1 splits over `data`). Forward only: (mean loss, peak[p]). Training:
-    (mean loss, d_chunk, d_edge, d_x, peak[p]): d_chunk [replicas, p, v, ...] and d_edge
-    [replicas, p, ...] are fp32 sums over the microbatches of each data replica (reduce dim 0
-    with `combine.reduce`, then divide by m * replicas); d_x (without an embedding) is the
-    mean loss's input cotangent times m * replicas, or () with one; peak counts the stash
-    slots each rank held at once, measured in the loop.
+    their batch dim 1 splits over `data`). Sums, never means (the caller divides): forward
+    only: (loss sum, peak[p]), the head's losses summed over microbatches and data replicas.
+    Training: (loss sum, d_chunk, d_edge, d_x, peak[p]): d_chunk [replicas, p, v, ...] and
+    d_edge [replicas, p, ...] are fp32 sums over the microbatches of each data replica
+    (reduce dim 0 with `combine.reduce`); d_x (without an embedding) is the loss sum's input
+    cotangent, or () with one; peak counts the stash slots each rank held at once, measured
+    in the loop.
     """
     manual = manual_axes(mesh)
     has_data = DATA_AXIS in manual
-    n_data = mesh.shape[DATA_AXIS] if has_data else 1
     table = schedule.table if backward else schedule.forward_table
     cols = {k: jnp.asarray(a) for k, a in table.columns.items()}
     specs = lambda tree: jax.tree.map(lambda a: batch_spec(a, has_data), tree)  # noqa: E731
@@ -371,8 +371,7 @@ def execute(fns: Fns, chunk_params, edge, x, aux, caux, *, schedule: Schedule, m
         stacked = P(DATA_AXIS if has_data else None, STAGE_AXIS)
         d_x_spec = batch_spec(x, has_data) if fns.embed is None else P()
         out_specs = (P(), stacked, stacked, d_x_spec, P(STAGE_AXIS))
-    body = functools.partial(_body, fns, schedule, backward, fill, combine or SUM, manual,
-                             n_data)
+    body = functools.partial(_body, fns, schedule, backward, fill, combine or SUM, manual)
     return jax.shard_map(
         body, mesh=mesh, axis_names=set(manual),
         in_specs=(P(STAGE_AXIS), P(STAGE_AXIS), specs(x), specs(aux), specs(caux), P()),

@@ -58,7 +58,7 @@ def compile_step(cfg: Config, mesh, *, extra_options: dict | None = None,
     """Lower and compile `cfg`'s train step (pipelined when stage > 1) on `mesh`."""
     setup = setup or step.build(cfg, mesh)
     t0 = time.perf_counter()
-    lowered = step.make_train_step(setup).lower(step.abstract_train_state(setup),
+    lowered = step.make_train_step(setup).lower(setup.abstract_train_state,
                                                 abstract_batch(cfg, mesh))
     t1 = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options(mesh, extra_options) or None)

@@ -37,7 +37,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import data, step
+from jaxtrain import data
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.tools import hlo
 from jaxtrain.tools.compile_step import compile_step
@@ -104,10 +104,9 @@ def random_batch(cfg: Config, mesh, seed: int = 0) -> dict:
 def zero_train_state(setup):
     """A sharded all-zeros train state: a step costs the same whatever the values, and this
     compiles in a blink where the real initialiser (random normals) does not."""
-    abstract = step.abstract_train_state(setup)
-    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    abstract = setup.abstract_train_state
     return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-                   out_shardings=shardings)()
+                   out_shardings=setup.state_shardings)()
 
 
 def time_steps(setup, compiled, steps: int) -> float:
