@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain import compat
 from jaxtrain.parallel import layer_order
 from jaxtrain.config import CheckpointConfig, ConfigError
 from jaxtrain.parallel.layer_order import LayerOrder
@@ -296,8 +297,7 @@ def read_saved_params(step_dir: str | pathlib.Path) -> dict:
     in the layer order they were saved in."""
     state_dir = pathlib.Path(step_dir) / "state"
     ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(state_dir)
-    tree = getattr(getattr(meta, "item_metadata", None), "tree", meta)
+    tree = compat.saved_tree_metadata(ckptr, state_dir)
     if "params" not in tree:
         raise CheckpointMismatchError(f"{state_dir} holds no params; is it a jaxtrain train "
                                       "state?")

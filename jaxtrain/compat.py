@@ -67,3 +67,28 @@ def triton_compiler_params(num_warps: int, num_stages: int):
         return None
     cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
     return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def map_vjp_residuals(f, pullback):
+    """The pullback `jax.vjp` returned, with `f` applied to each of its residuals (what the
+    remat fence uses to tie saved activations to the cotangent). jax's pullback is a pytree
+    (a Partial) whose leaves are those residuals."""
+    return jax.tree.map(f, pullback)
+
+
+def logical_partition_specs(abstract_state):
+    """Pure-dict tree of PartitionSpec(logical names...) from an nnx.State's per-variable
+    sharding metadata (flax spells it `out_sharding`; a variable without one is unnamed)."""
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+    names = jax.tree.map(
+        lambda v: P(*(v.get_metadata().get("out_sharding") or (None,) * v.ndim)),
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(names) if isinstance(names, nnx.State) else names
+
+
+def saved_tree_metadata(checkpointer, directory):
+    """The array metadata tree of a saved PyTree item (orbax returns it bare or wrapped in
+    `.item_metadata.tree`, by version)."""
+    meta = checkpointer.metadata(directory)
+    return getattr(getattr(meta, "item_metadata", None), "tree", meta)

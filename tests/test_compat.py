@@ -54,3 +54,37 @@ def test_triton_compiler_params_carry_warps_and_stages():
     params = compat.triton_compiler_params(4, 2)
     if params is not None:     # this jaxlib has Pallas's Triton backend
         assert (params.num_warps, params.num_stages) == (4, 2)
+
+
+def test_a_pullbacks_residuals_are_its_leaves():
+    """The remat fence maps over the saved activations of a jax.vjp pullback."""
+    x = jnp.arange(3.0)
+    _, pullback = jax.vjp(lambda a: jnp.sin(a) * a, x)
+    leaves = jax.tree.leaves(pullback)
+    assert leaves and any(l.shape == x.shape for l in leaves)
+    same = compat.map_vjp_residuals(lambda r: r, pullback)
+    np.testing.assert_allclose(same(jnp.ones(3))[0], pullback(jnp.ones(3))[0])
+    zeroed = compat.map_vjp_residuals(jnp.zeros_like, pullback)
+    assert not np.allclose(zeroed(jnp.ones(3))[0], pullback(jnp.ones(3))[0])
+
+
+def test_logical_partition_specs_read_flax_sharding_metadata():
+    from flax import nnx
+
+    class Tiny(nnx.Module):
+        def __init__(self):
+            # how the model declares its params (model/llama.py)
+            self.w = nnx.Param(jnp.zeros((4, 8)), out_sharding=("embed", "mlp"),
+                               eager_sharding=False)
+            self.b = nnx.Param(jnp.zeros(8))
+
+    state = nnx.state(nnx.eval_shape(Tiny))
+    assert compat.logical_partition_specs(state) == {"w": P("embed", "mlp"), "b": P(None)}
+
+
+def test_saved_tree_metadata_of_an_orbax_item(tmp_path):
+    import orbax.checkpoint as ocp
+    ckptr = ocp.PyTreeCheckpointer()
+    ckptr.save(tmp_path / "item", {"params": {"w": np.ones((2, 3), np.float32)}})
+    tree = compat.saved_tree_metadata(ckptr, tmp_path / "item")
+    assert tuple(tree["params"]["w"].shape) == (2, 3)

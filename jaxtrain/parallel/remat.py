@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxtrain import compat
 from jaxtrain.config import ConfigError, RematConfig
 from jaxtrain.model.llama import REMAT_TAGS
 
@@ -270,7 +271,7 @@ def _fenced(ckpt_fn):
             if not (jnp.issubdtype(r.dtype, jnp.floating) and r.shape[:2] == ct_BSD.shape[:2]):
                 return r
             return r + zero_BS.reshape(zero_BS.shape + (1,) * (r.ndim - 2)).astype(r.dtype)
-        return jax.tree.map(fence, vjp)(ct_BSD)
+        return compat.map_vjp_residuals(fence, vjp)(ct_BSD)
 
     run.defvjp(fwd, bwd)
     return run

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxtrain import compat
 from jaxtrain.config import Config, ParallelConfig
 from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
 
@@ -103,11 +104,8 @@ def logical_to_spec(names: Iterable, shape, mesh: Mesh, *, params: bool, overrid
 
 
 def logical_axes(abstract_state):
-    """Pure-dict tree of P(logical names...) from an nnx.State's `sharding_names` metadata."""
-    from flax import nnx
-    names = jax.tree.map(lambda v: P(*(v.get_metadata().get("out_sharding") or (None,) * v.ndim)),
-                         abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.to_pure_dict(names) if hasattr(names, "flat_state") or isinstance(names, nnx.State) else names
+    """Pure-dict tree of P(logical names...) from an nnx.State's sharding metadata."""
+    return compat.logical_partition_specs(abstract_state)
 
 
 def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False):
