@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.tools import hlo, hlo_module
+from jaxtrain.tools import hlo, hlo_groups, hlo_module
 
 
 def _mesh(shape, names):
@@ -149,7 +149,7 @@ def test_wrong_mesh_is_a_clear_error(mesh3):
     small = _mesh((2, 2), ("data", "fsdp"))
     c = _compile_shard_map(lambda a: jax.lax.psum(a, "fsdp"), mesh3, P(("data", "fsdp")),
                            P("data"), jnp.ones((8, 16)))
-    with pytest.raises(hlo.HloMeshMismatch, match="pass the mesh"):
+    with pytest.raises(hlo_groups.HloMeshMismatch, match="pass the mesh"):
         hlo.collectives(c, small)
 
 
@@ -182,46 +182,46 @@ def test_flops_and_memory_shapes_across_versions():
 
 def test_replica_groups_explicit_and_empty():
     line = "all-reduce(%p), channel_id=1, replica_groups={{0,2},{1,3}}, to_apply=%add"
-    assert hlo.parse_replica_groups(line, 4) == ((0, 2), (1, 3))
-    assert hlo.parse_replica_groups("all-reduce(%p), replica_groups={}, to_apply=%a", 4) == (
+    assert hlo_groups.parse_replica_groups(line, 4) == ((0, 2), (1, 3))
+    assert hlo_groups.parse_replica_groups("all-reduce(%p), replica_groups={}, to_apply=%a", 4) == (
         (0, 1, 2, 3),)
-    assert hlo.parse_replica_groups("collective-permute(%p), source_target_pairs={}", 4) is None
+    assert hlo_groups.parse_replica_groups("collective-permute(%p), source_target_pairs={}", 4) is None
 
 
 def test_replica_groups_iota():
-    assert hlo.parse_replica_groups("x, replica_groups=[4,2]<=[8], y", 8) == (
+    assert hlo_groups.parse_replica_groups("x, replica_groups=[4,2]<=[8], y", 8) == (
         (0, 1), (2, 3), (4, 5), (6, 7))
     # [2,4]<=[4,2]T(1,0): iota(8).reshape(4,2).T -> rows of stride 2.
-    assert hlo.parse_replica_groups("x, replica_groups=[2,4]<=[4,2]T(1,0), y", 8) == (
+    assert hlo_groups.parse_replica_groups("x, replica_groups=[2,4]<=[4,2]T(1,0), y", 8) == (
         (0, 2, 4, 6), (1, 3, 5, 7))
 
 
 def test_replica_groups_mesh_form():
     plain = "replica_groups=mesh['a'=2,'b'=4] {'b'}, use_global_device_ids=true"
-    assert hlo.parse_replica_groups(plain, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert hlo_groups.parse_replica_groups(plain, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
     two = "replica_groups=mesh['a'=2,'b'=2,'c'=2] {'c','a'}"
-    assert hlo.parse_replica_groups(two, 8) == ((0, 4, 1, 5), (2, 6, 3, 7))
+    assert hlo_groups.parse_replica_groups(two, 8) == ((0, 4, 1, 5), (2, 6, 3, 7))
     # Real CPU output: device_ids=([2,4]T(1,0)) lists devices 0,4,1,5,2,6,3,7 over the mesh.
     real = ("all-gather(%p), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=1,"
             "'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}")
-    assert hlo.parse_replica_groups(real, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert hlo_groups.parse_replica_groups(real, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
     explicit_ids = "replica_groups=mesh[a=2,b=2], device_ids=(0,2,1,3) {a}"
-    assert hlo.parse_replica_groups(explicit_ids, 4) == ((0, 1), (2, 3))
+    assert hlo_groups.parse_replica_groups(explicit_ids, 4) == ((0, 1), (2, 3))
     # A sub-axis: b:(2)2 is the minor half of b=4.
     sub = "replica_groups=mesh['a'=2,'b'=4] {'b':(2)2}"
-    assert hlo.parse_replica_groups(sub, 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert hlo_groups.parse_replica_groups(sub, 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
     sub_major = "replica_groups=mesh['a'=2,'b'=4] {'b':(1)2}"
-    assert hlo.parse_replica_groups(sub_major, 8) == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert hlo_groups.parse_replica_groups(sub_major, 8) == ((0, 2), (1, 3), (4, 6), (5, 7))
 
 
 def test_unknown_spelling_is_an_error():
     with pytest.raises(hlo.HloParseError):
-        hlo.parse_replica_groups("replica_groups=weird<8>", 8)
+        hlo_groups.parse_replica_groups("replica_groups=weird<8>", 8)
 
 
 def test_source_target_pairs_and_shape_bytes():
     line = "collective-permute(%p), source_target_pairs={{0,1},{1,0},{2,2}}"
-    assert hlo.parse_source_target_pairs(line) == ((0, 1), (1, 0), (2, 2))
+    assert hlo_groups.parse_source_target_pairs(line) == ((0, 1), (1, 0), (2, 2))
     assert hlo_module.shape_bytes("f32[2,8]{1,0}") == 64
     assert hlo_module.shape_bytes("(bf16[4,4]{1,0}, s32[], pred[3])") == 32 + 4 + 3
     assert hlo_module.shape_bytes("f8e4m3fn[16]") == 16
@@ -229,10 +229,10 @@ def test_source_target_pairs_and_shape_bytes():
 
 
 def test_axes_for_groups(mesh3):
-    assert hlo.axes_for_groups([[0, 1, 2, 3, 4, 5, 6, 7]], mesh3) == ("data", "fsdp", "tensor")
-    assert hlo.axes_for_groups([[0, 4], [1, 5], [2, 6], [3, 7]], mesh3) == ("data",)
-    assert hlo.axes_for_groups([[i] for i in range(8)], mesh3) == ()
-    assert hlo.axes_for_groups([[0, 3], [1, 2], [4, 7], [5, 6]], mesh3) is None
+    assert hlo_groups.axes_for_groups([[0, 1, 2, 3, 4, 5, 6, 7]], mesh3) == ("data", "fsdp", "tensor")
+    assert hlo_groups.axes_for_groups([[0, 4], [1, 5], [2, 6], [3, 7]], mesh3) == ("data",)
+    assert hlo_groups.axes_for_groups([[i] for i in range(8)], mesh3) == ()
+    assert hlo_groups.axes_for_groups([[0, 3], [1, 2], [4, 7], [5, 6]], mesh3) is None
 
 
 _SYNTHETIC = """\
