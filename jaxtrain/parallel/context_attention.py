@@ -39,9 +39,9 @@ import numpy as np
 
 from jaxtrain.config import ConfigError, check_context_core
 from jaxtrain.data.context import context_order
-from jaxtrain.parallel import sharding
+from jaxtrain.parallel.mesh_axes import CONTEXT
 
-AXIS = sharding.CONTEXT
+AXIS = CONTEXT
 
 
 class ContextAttentionError(ConfigError):

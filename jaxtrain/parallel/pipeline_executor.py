@@ -49,11 +49,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.parallel import sharding
+from jaxtrain.parallel.mesh_axes import DATA, STAGE
 from jaxtrain.parallel.pipeline_schedule import Schedule
 from jaxtrain.parallel.pipeline_stash import ChunkProgram, chunk_program
 
-STAGE_AXIS, DATA_AXIS = sharding.STAGE, sharding.DATA   # the mesh's names (sharding owns them)
+STAGE_AXIS, DATA_AXIS = STAGE, DATA
 # name scopes of the F and B branches: a dry run weights their matmuls by how often each runs
 F_SCOPE, B_SCOPE = "pipeline_f", "pipeline_b"
 

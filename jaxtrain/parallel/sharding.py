@@ -17,17 +17,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import compat
+from jaxtrain.parallel.mesh_axes import CONTEXT, DATA, FSDP, MESH_AXES, REPLICA_AXES
 from jaxtrain.config import Config, ParallelConfig
 from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
 
 if TYPE_CHECKING:
     from jaxtrain.parallel import context_attention
 
-MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")  # outermost first; tensor fastest
-STAGE, DATA, FSDP, CONTEXT, TENSOR = MESH_AXES
-# The data-parallel group of the weights: gradients are reduced over it once per step and
-# ZeRO-1 shards over it (Megatron's CP ranks are data-parallel for the weights).
-REPLICA_AXES = (DATA, CONTEXT)
 
 # logical axis -> (mesh axes for parameters, mesh axes for activations)
 RULES: dict[str, tuple] = {
