@@ -34,7 +34,6 @@ from jaxtrain.model import fp8 as fp8_lib
 from jaxtrain.parallel import layer_order
 from jaxtrain.model import llama as model_lib
 from jaxtrain import config_check, optim, weights, xla_flags
-from jaxtrain.model.fp8_plan import fp8_layers
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
 from jaxtrain.config import Config, ConfigError
@@ -96,6 +95,15 @@ class Setup:
             fp8_meta = init_fp8_meta(self, parts=params.keys())
         nnx.replace_by_pure_dict(meta_state, fp8_meta)
         return nnx.merge(self.graphdef, state, meta_state)
+
+
+def fp8_layers(cfg: Config) -> model_lib.Fp8Layers | None:
+    """The model's FP8 plan from fp8.*; None when FP8 is off (config_check.check_fp8_layout
+    holds it to the model dims, the tensor split and the remat grouping)."""
+    f = cfg.fp8
+    if not f.enabled:
+        return None
+    return model_lib.Fp8Layers(fp8_lib.recipe_of(f), f.bf16_first_layers, f.bf16_last_layers)
 
 
 def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) -> model_lib.Ops:
