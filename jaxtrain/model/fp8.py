@@ -19,10 +19,9 @@ cotangent is an *observation*, not a new meta, so that sums JAX makes when a met
 than once stay decodable: per role `scale` holds a use count and `amax_history[0]` the summed amax.
 `apply_meta_update` divides one by the other: exact for repeated identical uses (a shared op on
 the same data, remat), robust to scaling the whole gradient (microbatch averaging), and the mean
-for different data. TE records the max there; a sum cannot carry a max, so to share one meta
-between matmuls that see different tensors give each its own slice of `replicate_meta(meta, n)`
-(its cotangents max-combine). For an exact max over microbatches, combine their meta gradients
-with `combine_meta_grads` or use `replicate_meta` likewise; reduce per-replica cotangents stacked
+for different data. TE records the max there; a sum cannot carry a max, so the model gives
+every matmul its own meta (per layer, per projection). For an exact max over microbatches,
+combine their meta gradients with `combine_meta_grads`; reduce per-replica cotangents stacked
 on an axis with `max_meta_grads`. All of these skip NaN as fmaxf does.
 """
 from __future__ import annotations
@@ -387,39 +386,6 @@ def combine_meta_grads(a: Any, b: Any) -> Any:
     return jax.tree.map(per_meta, a, b, is_leaf=is_fp8_meta)
 
 
-def add_grads(acc: Any, d: Any) -> Any:
-    """acc + d for gradients; FP8 meta cotangents (amax observations) max-combine instead."""
-    return jax.tree.map(lambda a, b: combine_meta_grads(a, b) if is_fp8_meta(a)
-                        else a + b.astype(a.dtype), acc, d, is_leaf=is_fp8_meta)
-
-
-def all_reduce_grads(tree: Any, axis_name: str) -> Any:
-    """psum of gradients over a manual mesh axis; FP8 meta cotangents take the max over it
-    (TE's amax all-reduce). For use inside shard_map."""
-    def role(r: TensorMeta) -> TensorMeta:
-        amax, used = _decode(r)
-        amax = jax.lax.pmax(jnp.where(used, amax, 0.0), axis_name)
-        used = jax.lax.pmax(used.astype(jnp.float32), axis_name) > 0
-        return _encode(amax, used, r.amax_history.shape[-1])
-
-    def reduce(x):
-        if is_fp8_meta(x):
-            return Fp8Meta(role(x.x), role(x.w), role(x.g))
-        return jax.lax.psum(x, axis_name)
-    return jax.tree.map(reduce, tree, is_leaf=is_fp8_meta)
-
-
-def _broadcast_impl(n, meta):
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), meta)
-
-
-_broadcast = jax.custom_vjp(_broadcast_impl, nondiff_argnums=(0,))
-
-
-def _broadcast_fwd(n, meta):
-    return _broadcast_impl(n, meta), None
-
-
 def max_meta_grads(meta_grad: Any, axis: int = 0) -> Any:
     """Max-reduce meta cotangents stacked along `axis` (e.g. per data replica): TE's amax
     all-reduce. Metas in `meta_grad` lose that axis; other leaves are returned unchanged."""
@@ -433,32 +399,3 @@ def max_meta_grads(meta_grad: Any, axis: int = 0) -> Any:
             return m
         return Fp8Meta(reduce(m.x), reduce(m.w), reduce(m.g))
     return jax.tree.map(per_meta, meta_grad, is_leaf=is_fp8_meta)
-
-
-def _broadcast_bwd(n, _, ct):
-    return (max_meta_grads(ct, axis=0),)
-
-
-_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
-
-
-def replicate_meta(meta: Any, n: int) -> Any:
-    """`n` stacked copies of the metas in `meta` whose cotangents combine by max, not sum.
-
-    Give microbatch i the slice [i] (e.g. as a scan input) to get TE's max amax over microbatches
-    inside one differentiated function.
-    """
-    return _broadcast(int(n), meta)
-
-
-def partition_meta(tree: Any) -> tuple[Any, Any]:
-    """(tree with metas replaced by None, tree with only the metas): optax gets the first."""
-    rest = jax.tree.map(lambda n: None if is_fp8_meta(n) else n, tree, is_leaf=is_fp8_meta)
-    metas = jax.tree.map(lambda n: n if is_fp8_meta(n) else None, tree, is_leaf=is_fp8_meta)
-    return rest, metas
-
-
-def merge_meta(rest: Any, metas: Any) -> Any:
-    """Inverse of `partition_meta`."""
-    return jax.tree.map(lambda r, m: r if m is None else m, rest, metas,
-                        is_leaf=lambda n: n is None or is_fp8_meta(n))
