@@ -171,6 +171,7 @@ RECIPES = {
     "llama70b_pipelined": ("configs/llama70b.py", 128, ["--train.global_batch=64"]),
     "llama3_8b": ("configs/llama3_8b.py", 8, []),
     "llama3_8b_128k": ("configs/llama3_8b_128k.py", 8, []),   # context 4, ring, full remat
+    "llama405b": ("configs/llama405b.py", 1024, []),   # PP8 uneven, full remat, data 16
 }
 
 
