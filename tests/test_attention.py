@@ -10,33 +10,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxtrain import step
 from jaxtrain.model import attention
 from jaxtrain.parallel import context_attention, sharding
 from jaxtrain.config import ModelConfig
-from util import random_batch, tiny_config
+from util import random_batch, random_params, tiny_config
 
 BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=8")
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def _random_params(setup):
-    """Norm scales 1, other weights N(0, 0.1²): numpy is far quicker than compiling the init."""
-    rng = np.random.default_rng(0)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: np.ones(x.shape, x.dtype) if "scale" in jax.tree_util.keystr(path)
-        else (0.1 * rng.standard_normal(x.shape)).astype(x.dtype),
-        nnx.to_pure_dict(setup.abstract_state))
 
 
 def _loss_and_grads(overrides, devices, params0=None):
     cfg = tiny_config(*BASE, *overrides)
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel, devices))
     if params0 is None:
-        params0 = _random_params(setup)
+        params0 = random_params(setup)
     params = jax.device_put(params0, setup.param_shardings)
     batch = random_batch(cfg, 0, docs_per_row=3)  # packed rows: segments matter
     lowered = step.make_grad_step(setup).lower(params, batch)

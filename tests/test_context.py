@@ -14,14 +14,13 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxtrain import data, step, trainer
 from jaxtrain.parallel import context_attention, sharding
 from jaxtrain.config import ConfigError
 from jaxtrain.data.context import context_order, reorder_batch, restore_order
 from jaxtrain.ledger.layout import LayoutError
-from util import random_batch, tiny_config
+from util import random_batch, random_params, tiny_config
 
 # 1 layer (2 with stages), seq 32 so that c=4 leaves 4-token chunks; 4 heads / 2 KV heads.
 BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=8",
@@ -29,20 +28,11 @@ BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def _random_params(setup):
-    """Norm scales 1, other weights N(0, 0.1²) (numpy: no init compile)."""
-    rng = np.random.default_rng(0)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: np.ones(x.shape, x.dtype) if "scale" in jax.tree_util.keystr(path)
-        else (0.1 * rng.standard_normal(x.shape)).astype(x.dtype),
-        nnx.to_pure_dict(setup.abstract_state))
-
-
 def _grads(overrides, n_devices, params0=None, batch=None):
     """(loss, grads, params0, fp8 metas or None) of one grad step on n_devices."""
     cfg = tiny_config(*BASE, *overrides)
     setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:n_devices]))
-    params0 = _random_params(setup) if params0 is None else params0
+    params0 = random_params(setup) if params0 is None else params0
     params = jax.device_put(params0, setup.param_shardings)
     batch = random_batch(cfg, 0, docs_per_row=3) if batch is None else batch
     args = (params, batch)
