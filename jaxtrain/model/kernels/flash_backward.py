@@ -21,8 +21,8 @@ from jax.experimental import pallas as pl
 from jaxtrain.model.kernels.flash_config import _Config
 from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _col_loops, _compiler_params, _div, _dot,
                                                 _dot_nt, _mask, _q_block_index, _row_loops,
-                                                _run_loops, _schedule_specs, _schedules,
-                                                _split_refs)
+                                                _q_program_inputs, _run_loops, _schedule_specs,
+                                                _schedules, _split_refs)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, group: int):
@@ -188,19 +188,11 @@ def _dq_call(cfg: _Config, q, k, v, do, lse_BHS, delta_BHS, q_seg, kv_seg, q_pos
   kv_full_spec = pl.BlockSpec((None, Sk, None, D), kv_map)
   row_spec = pl.BlockSpec((None, None, bq), row_map)
   in_specs = [q_spec, kv_full_spec, kv_full_spec, q_spec, row_spec, row_spec]
-  args = [q, k, v, do, lse_BHS, delta_BHS]
   q_row = lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))
-  if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, bq), q_row),
-                 pl.BlockSpec((None, Sk), lambda i, b, h: (b, 0))]
-    args += [q_seg, kv_seg]
-  if cfg.has_positions:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (0, q_row(i, b, h)[1])),
-                 pl.BlockSpec((None, Sk), lambda i, b, h: (0, 0))]
-    args += [q_pos, kv_pos]
-  if cfg.skip_blocks:
-    in_specs += _schedule_specs(rows, q_row)
-    args += list(rows)
+  extra_specs, extra_args = _q_program_inputs(cfg, q_row, bq, Sk, q_seg, kv_seg, q_pos, kv_pos,
+                                              rows)
+  in_specs += extra_specs
+  args = [q, k, v, do, lse_BHS, delta_BHS, *extra_args]
   out_specs = [q_spec]
   out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)]
   if cfg.count_blocks:

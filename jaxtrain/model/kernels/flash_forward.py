@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jaxtrain.model.kernels.flash_config import _Config
 from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _MASKED, _compiler_params, _div, _dot,
                                                 _dot_nt, _mask, _q_block_index, _row_loops,
-                                                _run_loops, _schedule_specs, _schedules,
+                                                _q_program_inputs, _run_loops, _schedules,
                                                 _split_refs)
 
 
@@ -92,20 +92,14 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
       pl.BlockSpec((None, Sk, None, D), kv_map),
       pl.BlockSpec((None, Sk, None, D), kv_map),
   ]
-  args = [q, k, v]
   q_row = lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))
-  if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, block_q), q_row),
-                 pl.BlockSpec((None, Sk), lambda i, b, h: (b, 0))]
-    args += [q_seg, kv_seg]
-  if cfg.has_positions:  # [1, S]: one row of positions for the whole batch
-    in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (0, q_row(i, b, h)[1])),
-                 pl.BlockSpec((None, Sk), lambda i, b, h: (0, 0))]
-    args += [q_pos, kv_pos]
+  rows = None
   if cfg.skip_blocks:
     rows, _ = _schedules(cfg, q_seg, kv_seg, q_pos, kv_pos, block_q, cfg.block_k, B, Sq, Sk)
-    in_specs += _schedule_specs(rows, q_row)
-    args += list(rows)
+  extra_specs, extra_args = _q_program_inputs(cfg, q_row, block_q, Sk, q_seg, kv_seg, q_pos,
+                                              kv_pos, rows)
+  in_specs += extra_specs
+  args = [q, k, v, *extra_args]
   out_specs = [
       pl.BlockSpec((None, block_q, None, D), q_map),
       pl.BlockSpec((None, None, block_q),

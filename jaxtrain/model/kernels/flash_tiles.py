@@ -136,6 +136,26 @@ def _schedule_specs(schedule: block_map.Schedule, program_block):
           pl.BlockSpec((None, None), program_block), pl.BlockSpec((None, None), program_block)]
 
 
+def _q_program_inputs(cfg: _Config, q_row, block_q: int, Sk: int, q_seg, kv_seg, q_pos, kv_pos,
+                      rows):
+  """(BlockSpecs, arrays) of a q-block program's optional inputs (forward, dQ), in the order
+  _split_refs reads them: this block's query segment ids and every key's, the positions (one
+  [1, S] row for the whole batch), the block map's rows. `q_row(i, b, h)` -> (batch, q block)."""
+  specs, args = [], []
+  if cfg.has_segments:
+    specs += [pl.BlockSpec((None, block_q), q_row),
+              pl.BlockSpec((None, Sk), lambda i, b, h: (b, 0))]
+    args += [q_seg, kv_seg]
+  if cfg.has_positions:
+    specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (0, q_row(i, b, h)[1])),
+              pl.BlockSpec((None, Sk), lambda i, b, h: (0, 0))]
+    args += [q_pos, kv_pos]
+  if cfg.skip_blocks:
+    specs += _schedule_specs(rows, q_row)
+    args += list(rows)
+  return specs, args
+
+
 def _q_block_index(pid, num_q_blocks: int, causal: bool):
   # Causal work grows with the q block index; launching the longest blocks first shortens the tail.
   return num_q_blocks - 1 - pid if causal else pid
