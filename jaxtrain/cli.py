@@ -96,7 +96,7 @@ def resolve_auto_remat(cfg):
     from jaxtrain.tools.remat_sweep import choose_policy
     remat = choose_policy(cfg, sharding.make_mesh(cfg.parallel))
     print(f"remat.policy=auto chose {remat}", flush=True)
-    return dataclasses.replace(cfg, remat=remat)
+    return dataclasses.replace(cfg, remat=remat).validate()   # validated and frozen again
 
 
 def check_devices(cfg, gpu, devices: int | None, config_name: str) -> None:

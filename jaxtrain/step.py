@@ -76,7 +76,7 @@ class Setup:
         """The train state's shardings (of `abstract_train_state`)."""
         return jax.tree.map(lambda s: s.sharding, self.abstract_train_state)
 
-    @property
+    @functools.cached_property
     def batch_shardings(self) -> dict:
         """The global batch's shardings, per key of BATCH_KEYS."""
         return {k: sharding.batch_sharding(self.mesh) for k in BATCH_KEYS}
@@ -413,7 +413,7 @@ def make_grad_step(setup: Setup):
 
 
 def _xla_options(setup: Setup) -> dict:
-    return xla_flags.for_platform(setup.cfg, sharding.platform(setup.mesh))
+    return xla_flags.for_platform(setup.cfg, sharding.platform(setup.mesh), setup.mesh.shape)
 
 
 def make_train_step(setup: Setup, *, donate: bool = True):

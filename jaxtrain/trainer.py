@@ -82,19 +82,19 @@ def pipeline_summary(cfg: Config, stages: int) -> str:
 
 def global_batch_array(setup, local_batch: dict) -> dict:
     """Assemble this process's rows into global arrays sharded over (data, fsdp)."""
-    sh = sharding.batch_sharding(setup.mesh)
+    sh = setup.batch_shardings
     if jax.process_count() == 1:
-        return {k: jax.device_put(np.asarray(local_batch[k]), sh) for k in step_lib.BATCH_KEYS}
-    return {k: jax.make_array_from_process_local_data(sh, np.asarray(local_batch[k]))
+        return {k: jax.device_put(np.asarray(local_batch[k]), sh[k]) for k in step_lib.BATCH_KEYS}
+    return {k: jax.make_array_from_process_local_data(sh[k], np.asarray(local_batch[k]))
             for k in step_lib.BATCH_KEYS}
 
 
 def evaluate(setup, eval_step, state, batches, n_batches: int) -> float:
     """Mean token loss over `n_batches` held-out batches (in FP8 when the run trains in FP8)."""
+    sums = [eval_step(state["params"], global_batch_array(setup, next(batches)),
+                      state.get("fp8_meta")) for _ in range(n_batches)]   # dispatched, then read
     loss_sum = count = 0.0
-    for _ in range(n_batches):
-        s, c = eval_step(state["params"], global_batch_array(setup, next(batches)),
-                         state.get("fp8_meta"))
+    for s, c in jax.device_get(sums):
         loss_sum, count = loss_sum + float(s), count + float(c)
     return loss_sum / max(count, 1.0)
 
@@ -240,13 +240,13 @@ def _finish(pending, cfg: Config, throughput: Throughput, writer: MetricsWriter)
         raise NonFiniteLossError(
             f"loss became {loss} at step {done}; stopping without saving this state (the last "
             "good checkpoint is kept). Lower train.lr, raise train.warmup_steps or check the data")
-    record = {k: float(v) for k, v in metrics.items()}
+    if throughput.started and done % cfg.train.log_every and done != cfg.train.steps:
+        return None   # only the loss is read from the device on a step that is not logged
+    record = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not throughput.started:
         # The first step after a start is always logged (no hole in the curves at a restart);
         # its time includes compilation, so it is reported apart and throughput starts after it.
         record["first_step_time_s"] = throughput.start(done)
-    elif done % cfg.train.log_every and done != cfg.train.steps:
-        return None
     else:
         record.update(throughput.measure(done))
     record["memory_gb"] = device_memory_gb()

@@ -28,7 +28,11 @@ lists what a step compiled with.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.parallel.mesh_axes import CONTEXT, STAGE
+from jaxtrain.parallel.mesh_axes import FSDP as FSDP_AXIS
 
 FSDP = {
     "xla_gpu_enable_pipelined_all_gather": True,
@@ -53,16 +57,17 @@ def parse(text: str) -> dict:
     return out
 
 
-def for_platform(cfg: Config, platform: str) -> dict:
-    """The XLA options a step for `platform` devices compiles with."""
+def for_platform(cfg: Config, platform: str, degrees: Mapping[str, int]) -> dict:
+    """The XLA options a step for `platform` devices compiles with; `degrees`: the mesh's
+    resolved size per axis (mesh.shape: a -1 in the config is filled there)."""
     if platform != "gpu":
         return {}
     p = cfg.parallel
     defaults = {}
-    if p.fsdp > 1:
+    if degrees[FSDP_AXIS] > 1:
         defaults.update(FSDP)
-        if p.microbatches == 1 and p.stage == 1:
+        if p.microbatches == 1 and degrees[STAGE] == 1:
             defaults.update(LAYER_LOOP_ONLY)
-    if p.context > 1 and p.context_strategy == "ring":
+    if degrees[CONTEXT] > 1 and p.context_strategy == "ring":
         defaults.update(RING)
     return {**defaults, **parse(cfg.train.xla_flags)}

@@ -196,7 +196,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                              (present[0].memory_stats() or {}).get("bytes_limit", 0))
             report = gpu_program.GpuReport.read(
                 out.text, mesh, dump if extra else None, device_memory, mem["total_bytes"],
-                xla_flags.for_platform(scaled, "gpu"))
+                xla_flags.for_platform(scaled, "gpu", mesh.shape))
     colls = hlo.reclassify_sliced_all_reduce(hlo.collectives_from_text(out.text, mesh))
     try:
         xla_flops = hlo.compiled_flops(out.compiled)
