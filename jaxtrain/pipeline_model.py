@@ -55,9 +55,8 @@ from jaxtrain.model import fp8 as fp8_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.parallel import pipeline as pl
 from jaxtrain.ledger.layout import stage_layer_counts
-from jaxtrain.parallel.pipeline import PipelineError
 
-__all__ = ["PipelineModel", "build", "grad_sums", "loss_and_grads", "eval_sums"]
+__all__ = ["PipelineModel", "build", "grad_sums", "eval_sums"]
 
 CHUNK_AUX_KEYS = ("positions", "segment_ids")
 HEAD_AUX_KEYS = ("targets", "loss_mask")
@@ -73,10 +72,8 @@ class PipelineModel:
     """The pieces the executor runs, built once per setup (all static)."""
     setup: step.Setup          # its model: graphdef, abstract state, ops, bind
     block_apply: Any           # (layer_state, x, cos, sin, segment_ids, fp8) -> x
-    run_layers: Any            # the remat layer runner, applied to one chunk
     schedule: pl.Schedule
     stage_layers: tuple        # layers per physical stage
-    fp8_layers: Any            # model.Fp8Layers (which layers run in FP8), or None
 
     @property
     def mesh(self):
@@ -86,7 +83,7 @@ class PipelineModel:
         """[L] what each layer runs as: FP8 in its FP8 spans when use_fp8, else PLAIN."""
         modes = np.full(self.setup.cfg.model.num_layers, PLAIN, np.float32)
         if use_fp8:
-            for start, stop, fp8 in model_lib.layer_spans(len(modes), self.fp8_layers):
+            for start, stop, fp8 in model_lib.layer_spans(len(modes), self.setup.ops.fp8):
                 modes[start:stop] = FP8 if fp8 else PLAIN
         return modes
 
@@ -106,16 +103,17 @@ class PipelineModel:
         def block(s, x, fp8):
             return self.block_apply(s, x, cos, sin, segment_ids_BS, fp8)
         if mode is not None:
-            return self.run_layers(lambda sm, x: block(sm[0], x, mode == FP8), x_BSD, chunk)
+            return self.setup.ops.run_layers(lambda sm, x: block(sm[0], x, mode == FP8), x_BSD,
+                                             chunk)
 
         def any_mode(sm, x):
             # a per-rank branch: padding (uneven stages) is skipped, bf16 spans run unscaled
             s, m = sm
             branches = [lambda: x, lambda: block(s, x, False)]
-            if self.fp8_layers is not None:
+            if self.setup.ops.fp8 is not None:
                 branches.append(lambda: block(s, x, True))
             return jax.lax.switch(m.astype(jnp.int32), branches)
-        return self.run_layers(any_mode, x_BSD, chunk)
+        return self.setup.ops.run_layers(any_mode, x_BSD, chunk)
 
     def head_params_of(self, edge_row):
         """The final norm and the head of rank p-1's edge row (its table is the lm_head's
@@ -180,9 +178,9 @@ class PipelineModel:
         return args, kw
 
     def grad_sums(self, params, batch, fp8_meta=None):
-        """(summed token loss over microbatches and replicas, fp32 gradients of that sum
-        w.r.t. params, the metas' observations or None): the executor's manual backward,
-        mapped back through split_params' transpose."""
+        """(summed token loss over microbatches and replicas, tokens, fp32 gradients of that
+        sum w.r.t. params, the metas' observations or None): step.grad_sums' contract, by the
+        executor's manual backward mapped back through split_params' transpose."""
         args, kw = self._executor_args(params, batch, fp8_meta)
         loss, (d_chunks, d_edge, _), _ = pl.pipelined_value_and_grad(
             *args, **kw, combine=None if fp8_meta is None else FP8_COMBINE)
@@ -190,7 +188,7 @@ class PipelineModel:
         # the glue is linear: its transpose at any point (XLA drops the unused forward)
         _, transpose = jax.vjp(self.split_params, f32(params), f32(fp8_meta))
         d_params, d_meta = transpose((d_chunks[0], d_edge))
-        return loss, d_params, d_meta
+        return loss, token_count(batch), d_params, d_meta
 
     def loss_sums(self, params, batch, fp8_meta=None, *, bubble_fill: float = 0.0):
         """(summed token loss over microbatches and replicas, tokens), from the forward ops
@@ -234,29 +232,14 @@ def build(setup: step.Setup) -> PipelineModel:
     schedule = pl.build_schedule(par.schedule, p, m, v)
     states = [x for x in (setup.abstract_state, setup.abstract_meta) if x is not None]
     block_apply = nnx.merge(setup.graphdef, *states).block_fn()[0]
-    ops = setup.ops
-    return PipelineModel(setup, block_apply, ops.run_layers or model_lib.scan_layers, schedule,
-                         stage_layers, ops.fp8)
+    return PipelineModel(setup, block_apply, schedule, stage_layers)
 
 
 def grad_sums(setup: step.Setup):
     """`fn(compute params, batch, fp8_meta=None) -> (loss sum, tokens, grads of the sum,
     meta observations)`: step.grad_sums on the pipeline (the observations: the FP8 metas'
     amaxes, max over microbatches and data replicas; None without fp8_meta)."""
-    pm = build(setup)
-
-    def fn(params, batch, fp8_meta=None):
-        loss, grads, meta_grad = pm.grad_sums(params, batch, fp8_meta)
-        return loss, token_count(batch), grads, meta_grad
-    return fn
-
-
-def loss_and_grads(setup: step.Setup):
-    """step.loss_and_grads of a pipelined setup: `fn(params, batch, fp8_meta=None) -> (loss,
-    tokens, grads, meta_grad)`."""
-    if setup.mesh.shape.get(pl.STAGE_AXIS, 1) < 2:
-        raise PipelineError("pipeline_model runs setups with parallel.stage > 1")
-    return step.loss_and_grads(setup)
+    return build(setup).grad_sums
 
 
 def eval_sums(setup: step.Setup):

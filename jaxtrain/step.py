@@ -125,9 +125,6 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                          span_runner=remat.span_runner(cfg.remat) if fp8 is not None else None)
 
 
-Fp8LayoutError = config_check.Fp8LayoutError  # where step.build raised it before
-
-
 def build(cfg: Config, mesh: Mesh) -> Setup:
     layout = config_check.check(cfg, mesh.size)  # every config rule, before anything compiles
     p = layout.stage

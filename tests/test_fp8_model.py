@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import compat, step, trainer
+from jaxtrain import compat, config_check, step, trainer
 from jaxtrain.model import fp8
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.checkpoint import Checkpointer
@@ -313,7 +313,7 @@ def test_resume_restores_the_meta_and_reproduces_the_uninterrupted_run(runs):
 ])
 def test_dims_fp8_cannot_run_fail_at_build_naming_the_layer(overrides, message):
     cfg = tiny_config(*FP8, *overrides)
-    with pytest.raises(step.Fp8LayoutError, match=message):
+    with pytest.raises(config_check.Fp8LayoutError, match=message):
         step.build(cfg, sharding.make_mesh(cfg.parallel))
 
 

@@ -112,7 +112,7 @@ def pipelined(name):
     params, batch = reference(*_model_flags(name))[:2]
     setup = build_setup(tiny_config(*BASE, *LAYOUTS[name]), jax.devices())
     args = place(setup, params, batch)
-    compiled = compile_fast(pipeline_model.loss_and_grads(setup), *args)
+    compiled = compile_fast(step.loss_and_grads(setup), *args)
     loss, tokens, grads, _ = compiled(*args)
     grads = layer_order.convert(jax.device_get(grads), setup.layer_order, LayerOrder.natural(4))
     return setup, float(loss), float(tokens), grads, compiled

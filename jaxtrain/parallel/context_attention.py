@@ -178,9 +178,14 @@ def _gather(x, axis):
     return jax.lax.all_gather(x, AXIS, axis=axis, tiled=True)
 
 
+def _gather_kv(k, v, kv_seg, kv_pos):
+    """Every rank's K, V, key segment ids and key positions, in sequence order."""
+    return _gather(k, 1), _gather(v, 1), _gather(kv_seg, 1), _gather(kv_pos, 0)
+
+
 def _gathered(ops: BlockOps, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
-    return ops.forward(q, _gather(k, 1), _gather(v, 1), q_seg, _gather(kv_seg, 1), q_pos,
-                       _gather(kv_pos, 0))
+    k, v, kv_seg, kv_pos = _gather_kv(k, v, kv_seg, kv_pos)
+    return ops.forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos)
 
 
 def gathered_attention(ops: BlockOps, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
@@ -195,8 +200,9 @@ def gathered_attention(ops: BlockOps, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 
     def bwd(res, do):
         q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = res
-        dq, dk, dv = ops.backward(q, _gather(k, 1), _gather(v, 1), q_seg, _gather(kv_seg, 1),
-                                  q_pos, _gather(kv_pos, 0), out, lse, do)
+        k_all, v_all, kv_seg_all, kv_pos_all = _gather_kv(k, v, kv_seg, kv_pos)
+        dq, dk, dv = ops.backward(q, k_all, v_all, q_seg, kv_seg_all, q_pos, kv_pos_all, out, lse,
+                                  do)
         # reduce-scattered in the compute dtype (Megatron's), the ring's accumulators in fp32
         scatter = lambda x, like: jax.lax.psum_scatter(  # noqa: E731
             x.astype(like.dtype), AXIS, scatter_dimension=1, tiled=True)
@@ -297,11 +303,10 @@ def check_backend(strategy: str, stages: int, platform: str) -> None:
 def attend(core, plan: ContextPlan, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     """One rank's attention under context parallelism (inside a shard_map with `context`
     manual): q [B, S/c, H, E], k/v [B, S/c, K, E], segment ids [B, S/c], positions [S/c]."""
-    check_supported(core, plan.strategy)
-    name = core_name(core)
+    name = core_name(core)   # the strategy was checked against it when the ops were built
     if name == "cudnn":
-        return cudnn_gathered(q, _gather(k, 1), _gather(v, 1), q_seg, _gather(kv_seg, 1),
-                              q_pos, _gather(kv_pos, 0))
+        k, v, kv_seg, kv_pos = _gather_kv(k, v, kv_seg, kv_pos)
+        return cudnn_gathered(q, k, v, q_seg, kv_seg, q_pos, kv_pos)
     ops = XLA_BLOCKS if name == "xla" else pallas_blocks(core.interpret)
     if plan.strategy == "ring":
         return ring_attention(ops, c, q, k, v, q_seg, kv_seg, q_pos, kv_pos)

@@ -34,7 +34,6 @@ class ChunkProgram:
     fwd: Any                 # ClosedJaxpr: (param leaves, x, aux leaves) -> (y, residual leaves)
     derived: Any             # ClosedJaxpr: param leaves -> the parameter-only residuals
     vjp_tree: Any            # PyTreeDef of the pullback (jax's VJP object)
-    params_tree: Any
     is_saved: tuple          # per residual leaf: True when it depends on the microbatch
 
     @property
@@ -42,10 +41,6 @@ class ChunkProgram:
         """Shapes and dtypes of what an F stashes (one microbatch)."""
         outs = self.fwd.jaxpr.outvars[1:]
         return [v.aval for v, s in zip(outs, self.is_saved) if s]
-
-    @property
-    def saved_bytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in self.saved_avals)
 
     def forward(self, params, x, aux) -> tuple:
         """(y, saved residuals) of one microbatch: the chunk's forward, nothing recomputed."""
@@ -79,4 +74,4 @@ def chunk_program(chunk: Callable, params, x, aux) -> ChunkProgram:
     is_saved = tuple(depends[1:])
     derived = compat.known_outputs(closed, [i >= n_params for i in range(n_in)],
                                    [not s for s in (True,) + is_saved])
-    return ChunkProgram(closed, derived, trees["vjp"], jax.tree.structure(params), is_saved)
+    return ChunkProgram(closed, derived, trees["vjp"], is_saved)

@@ -117,7 +117,7 @@ def add_data_axis(spec: P, shape, mesh: Mesh) -> P:
     """ZeRO-1: shard a (parameter-shaped) optimizer array over the data-parallel group as well
     (`data`, and `context`, whose ranks hold the same parameters: Megatron's distributed
     optimizer), on the first dim that is divisible; arrays with no such dim stay replicated."""
-    group = tuple(a for a in ("data", "context") if mesh.shape[a] > 1)
+    group = replica_axes(mesh)
     n = math.prod(mesh.shape[a] for a in group)
     if n == 1:
         return spec
