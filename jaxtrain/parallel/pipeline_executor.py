@@ -289,9 +289,11 @@ def _step(fns: Fns, rk: Rank, combine: GradCombine, backward: bool, cols, c: Car
 
 # ----------------------------------------------------------------------------- the loop
 def _check_shapes(fns: Fns, rk: Rank) -> None:
-    """The chunk must keep the activation's shape and dtype; the head must return a scalar."""
+    """The chunk must keep the activation's shape and dtype; the head must return a scalar.
+    With a backward the chunk program's output is read (the chunk is not traced again)."""
     act = rk.fill_x
-    y = jax.eval_shape(fns.chunk, _take(rk.chunks, 0), act, _take(rk.caux, 0))
+    y = (rk.program.fwd.out_avals[0] if rk.program is not None else
+         jax.eval_shape(fns.chunk, _take(rk.chunks, 0), act, _take(rk.caux, 0)))
     if (y.shape, y.dtype) != (act.shape, act.dtype):
         raise PipelineError(f"chunk_fn maps x {act.dtype}{list(act.shape)} to {y.dtype}"
                             f"{list(y.shape)}; a chunk must return the shape and dtype it gets "
@@ -331,10 +333,10 @@ def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: Gr
         act = jax.eval_shape(fns.embed, edge_row, _take(x, 0))
     fill_x = _full(act.shape, act.dtype, fill)
     rk = Rank(r, p, p * v, chunks, edge_row, x, aux, caux, fill_x, None)
-    _check_shapes(fns, rk)
     if backward:
         rk = rk._replace(program=chunk_program(fns.chunk, _take(chunks, 0), fill_x,
                                                _take(caux, 0)))
+    _check_shapes(fns, rk)
     carry = _init(rk, table, backward, m, fill, fns.embed is None)
     step = functools.partial(_step, fns, rk, combine, backward, cols)
     c, _ = lax.scan(step, carry, jnp.arange(table.num_steps))
