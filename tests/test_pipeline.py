@@ -349,6 +349,10 @@ def test_bad_inputs_raise_clear_errors():
         call(schedule="1f1b")
     with pytest.raises(pl.PipelineError, match="must return the shape and dtype it gets"):
         call(chunk_fn=lambda w, x: chunk_fn(w, x).astype(jnp.bfloat16))
+    with pytest.raises(pl.PipelineError, match="must return the shape and dtype it gets"):
+        pl.pipelined_value_and_grad(  # the same check where the F/B executor runs
+            lambda w, x: chunk_fn(w, x).astype(jnp.bfloat16), head_loss_fn, pparams["layers"],
+            pparams["head"], x, labels, schedule=schedule, mesh=stage_mesh(p))
     with pytest.raises(pl.PipelineError, match="must return a scalar"):
         call(head_loss_fn=lambda w, x, y: jnp.mean(x @ w["w_DC"], axis=-1))
     with pytest.raises(pl.PipelineError, match="do not split"):
