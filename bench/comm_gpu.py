@@ -19,6 +19,7 @@ from typing import Sequence
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jaxtrain import xla_flags  # noqa: E402
 from jaxtrain.parallel import sharding  # noqa: E402
 from jaxtrain.tools import gpu_program, hlo, targets  # noqa: E402
 from jaxtrain.tools.compile_step import compile_step  # noqa: E402
@@ -69,13 +70,6 @@ def measure(name: str, extra: Sequence[str] = (), options: dict | None = None) -
     }
 
 
-def _option(text: str):
-    key, _, value = text.partition("=")
-    low = value.lower()
-    return key, (True if low == "true" else False if low == "false"
-                 else int(value) if value.lstrip("-").isdigit() else value)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -84,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
                     help="an XLA compile option on top of the defaults (repeatable)")
     args = ap.parse_args(argv)
-    options = dict(_option(o) for o in args.xla)
+    options = dict(xla_flags.parse_option(o, "--xla") for o in args.xla)
     rows = []
     for name in args.layouts:
         r = measure(name, [f"--model.attention={args.attention}"], options)

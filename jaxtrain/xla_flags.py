@@ -29,6 +29,7 @@ lists what a step compiled with.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.parallel.mesh_axes import CONTEXT, STAGE
@@ -45,16 +46,18 @@ RING = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 def parse(text: str) -> dict:
     """"name=value name=value" (spaces or commas) -> {name: value}; true/false and integers
     parsed, anything else kept as a string."""
-    out = {}
-    for item in text.replace(",", " ").split():
-        name, sep, value = item.partition("=")
-        if not sep or not name.startswith("xla_"):
-            raise ConfigError(f"train.xla_flags: {item!r} is not xla_NAME=VALUE, e.g. "
-                              "'xla_gpu_enable_pipelined_all_gather=false'")
-        low = value.lower()
-        out[name] = (True if low == "true" else False if low == "false"
-                     else int(value) if value.lstrip("-").isdigit() else value)
-    return out
+    return dict(parse_option(item) for item in text.replace(",", " ").split())
+
+
+def parse_option(item: str, source: str = "train.xla_flags") -> tuple[str, Any]:
+    """"xla_name=value" -> (name, value), as `parse`; `source` names the setting in errors."""
+    name, sep, value = item.partition("=")
+    if not sep or not name.startswith("xla_"):
+        raise ConfigError(f"{source}: {item!r} is not xla_NAME=VALUE, e.g. "
+                          "'xla_gpu_enable_pipelined_all_gather=false'")
+    low = value.lower()
+    return name, (True if low == "true" else False if low == "false"
+                  else int(value) if value.lstrip("-").isdigit() else value)
 
 
 def for_platform(cfg: Config, platform: str, degrees: Mapping[str, int]) -> dict:

@@ -191,13 +191,14 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
         out = compile_step(scaled, mesh, extra_options=extra)
         report = None
         mem = hlo.memory(out.compiled)
+        raw_colls = hlo.collectives_from_text(out.text, mesh)
         if is_gpu:
             device_memory = (targets.get(target).memory_bytes if target else
                              (present[0].memory_stats() or {}).get("bytes_limit", 0))
             report = gpu_program.GpuReport.read(
                 out.text, mesh, dump if extra else None, device_memory, mem["total_bytes"],
-                xla_flags.for_platform(scaled, "gpu", mesh.shape))
-    colls = hlo.reclassify_sliced_all_reduce(hlo.collectives_from_text(out.text, mesh))
+                xla_flags.for_platform(scaled, "gpu", mesh.shape), raw_colls)
+    colls = hlo.reclassify_sliced_all_reduce(raw_colls)
     try:
         xla_flops = hlo.compiled_flops(out.compiled)
     except hlo.HloAnalysisUnavailable:

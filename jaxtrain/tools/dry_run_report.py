@@ -162,6 +162,7 @@ def report_json(r: DryRun) -> dict:
     FLOPs, and what only a GPU program has (kernels, overlap)."""
     axes = lambda a: None if a is None else list(a)  # noqa: E731
     e, lm = r.estimate, r.ledger_memory()
+    wire = hlo.summary(r.collectives, wire=True)
     out = {
         "config": r.config_name, "devices": r.n_devices, "device": r.device_kind,
         "layout": e.layout.short(), "changes": list(r.changes),
@@ -172,10 +173,9 @@ def report_json(r: DryRun) -> dict:
                          "every_branch": r.executed.every_branch},
                      "xla_flops": r.xla_flops,
                      "collectives": [{"kind": k, "axes": axes(a), "payload_bytes": v,
-                                      "wire_bytes": w} for (k, a), v, w in (
-                         (key, val, hlo.summary(r.collectives, wire=True)[key])
-                         for key, val in sorted(hlo.summary(r.collectives).items(),
-                                                key=lambda kv: str(kv[0])))]},
+                                      "wire_bytes": wire[(k, a)]}
+                                     for (k, a), v in sorted(hlo.summary(r.collectives).items(),
+                                                             key=lambda kv: str(kv[0]))]},
         "ledger": {"memory": lm, "static_bytes": e.static_bytes,
                    "activation_bytes": e.activation_bytes,
                    "model_flops_per_device": e.model_flops_per_step_full_attn / r.n_devices,

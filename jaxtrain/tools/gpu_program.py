@@ -80,6 +80,8 @@ def _operand_types(instr, comp) -> str:
 def gemms(text: str) -> list[Gemm]:
     """Every matmul of the module with what runs it and its FLOPs per step."""
     comps, reach = hlo_module.parsed(text)
+    fused = {c for comp in comps.values() for i in comp.instrs if i.opcode == "fusion"
+             for c, _, _ in hlo_module.callees(i)}   # computations a fusion calls
     out = []
     for comp in comps.values():
         for instr in comp.instrs:
@@ -100,15 +102,10 @@ def gemms(text: str) -> list[Gemm]:
                 flops = sum(hlo.matmul_flops_of(i, c) for i, c in dots) * n
                 dtype = _operand_types(*dots[0]) if dots else "?"
                 out.append(Gemm("triton", dtype, flops, instr.name))
-            elif instr.opcode == "dot" and not _inside_fusion(comp.name, comps):
+            elif instr.opcode == "dot" and comp.name not in fused:
                 out.append(Gemm("dot", _operand_types(instr, comp),
                                 hlo.matmul_flops_of(instr, comp) * n, instr.name))
     return out
-
-
-def _inside_fusion(name: str, comps) -> bool:
-    return any(i.opcode == "fusion" and name in [c for c, _, _ in hlo_module.callees(i)]
-               for c in comps.values() for i in c.instrs)
 
 
 def gemm_summary(gs: list[Gemm]) -> dict[tuple[str, str], tuple[int, float]]:
@@ -122,10 +119,13 @@ def gemm_summary(gs: list[Gemm]) -> dict[tuple[str, str], tuple[int, float]]:
 
 # ----------------------------------------------------------------------------- overlap
 
-def async_collectives(text: str, mesh: Any) -> list[AsyncCollective]:
-    """Every collective of the module, with whether compute runs between its start and done."""
+def async_collectives(text: str, mesh: Any, collectives=None) -> list[AsyncCollective]:
+    """Every collective of the module, with whether compute runs between its start and done
+    (`collectives`: hlo.collectives_from_text(text, mesh), when the caller has them)."""
     comps, _ = hlo_module.parsed(text)
-    by_op = {(c.computation, c.op): c for c in hlo.collectives_from_text(text, mesh)}
+    if collectives is None:
+        collectives = hlo.collectives_from_text(text, mesh)
+    by_op = {(c.computation, c.op): c for c in collectives}
     out = []
     for comp in comps.values():
         for k, instr in enumerate(comp.instrs):
@@ -240,10 +240,10 @@ class GpuReport:
 
     @classmethod
     def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes,
-             xla_options: dict | None = None):
+             xla_options: dict | None = None, collectives=None):
         names = pallas_kernel_names(text)
         ks = kernels(dump_dir, names) if names and dump_dir is not None else []
-        return cls(gemm_summary(gemms(text)), async_collectives(text, mesh), ks,
+        return cls(gemm_summary(gemms(text)), async_collectives(text, mesh, collectives), ks,
                    device_memory, total_bytes, dict(xla_options or {}))
 
     def overlap(self) -> dict:

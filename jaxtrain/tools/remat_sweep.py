@@ -29,7 +29,6 @@ import dataclasses
 import logging
 import math
 import pathlib
-import re
 import sys
 import time
 from typing import Sequence
@@ -37,7 +36,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import data
+from jaxtrain import data, xla_flags
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.tools import hlo
 from jaxtrain.tools.compile_step import compile_step
@@ -130,7 +129,7 @@ def measure(cfg: Config, mesh, *, run: bool = False, steps: int = 5,
     mem = hlo.memory(compiled)
     act, recompute = ledger_estimates(cfg, mesh, gpu)
     row = Row(policy=remat.label(cfg.remat), temp_bytes=mem["temp_bytes"],
-              total_bytes=mem["total_bytes"], flops=hlo.matmul_flops(compiled),
+              total_bytes=mem["total_bytes"], flops=hlo.matmul_flops_from_text(out.text),
               ledger_activation_bytes=act, ledger_recompute_overhead=recompute,
               compile_s=seconds)
     if run:
@@ -285,15 +284,7 @@ def write_plot(rows: Sequence[Row], path: pathlib.Path, title: str = "") -> None
 # ----------------------------------------------------------------------------- CLI
 
 def _parse_options(items: Sequence[str]) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--compiler-option {item!r}: write KEY=VALUE")
-        low = value.lower()
-        out[key] = (True if low == "true" else False if low == "false"
-                    else int(value) if re.fullmatch(r"-?\d+", value) else value)
-    return out
+    return dict(xla_flags.parse_option(item, "--compiler-option") for item in items)
 
 
 def sweep_devices(cfg: Config, n: int | None, target: str | None) -> list:
