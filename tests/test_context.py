@@ -7,8 +7,6 @@ same parameters: both strategies, the XLA core and the Pallas kernel (interprete
 the other parallelism kinds, remat policies and FP8. Then the bad inputs, the data order,
 fully masked ranks and checkpoints across context degrees.
 """
-import json
-import pathlib
 import shutil
 
 import jax
@@ -20,7 +18,7 @@ from jaxtrain.parallel import context_attention, sharding
 from jaxtrain.config import ConfigError
 from jaxtrain.data.context import context_order, reorder_batch, restore_order
 from jaxtrain.ledger.layout import LayoutError
-from util import random_batch, random_params, tiny_config
+from util import logged_losses, random_batch, random_params, tiny_config
 
 # 1 layer (2 with stages), seq 32 so that c=4 leaves 4-token chunks; 4 heads / 2 KV heads.
 BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=8",
@@ -238,11 +236,6 @@ TRAIN = ["--train.steps=4", "--checkpoint.every=2", "--checkpoint.async_save=fal
          "--train.seq_len=32", "--model.num_layers=2", "--parallel.zero1=true"]
 
 
-def _losses(workdir: pathlib.Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 @pytest.mark.slow
 def test_a_checkpoint_restores_across_context_degrees(tmp_path):
     """Steps 1-2 at context=2 (ring), 3-4 resumed at context=4 and at context=1: the same
@@ -257,4 +250,4 @@ def test_a_checkpoint_restores_across_context_degrees(tmp_path):
         shutil.rmtree(b / "checkpoints" / "4")
         trainer.train(tiny_config(*TRAIN, "--parallel.data=-1", f"--parallel.context={degree}",
                                   workdir=str(b)))
-        assert _losses(b)[4] == pytest.approx(_losses(a)[4], rel=1e-4)
+        assert logged_losses(b)[4] == pytest.approx(logged_losses(a)[4], rel=1e-4)

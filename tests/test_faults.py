@@ -21,6 +21,7 @@ import pytest
 from jaxtrain import trainer
 from jaxtrain.checkpoint import CheckpointCorruptError
 from jaxtrain.config import load_config
+from util import logged_losses, metric_records
 
 pytestmark = pytest.mark.slow   # real processes: the slowest module of the suite
 
@@ -36,15 +37,6 @@ def _config(workdir, *extra):
     return load_config(ROOT / "configs/tiny.py", [*ARGS, *extra, f"--train.workdir={workdir}"])
 
 
-def _records(workdir: pathlib.Path) -> list[dict]:
-    path = workdir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def _losses(workdir: pathlib.Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(workdir) if "loss" in r}
-
-
 def _steps(workdir: pathlib.Path) -> list[str]:
     return sorted(p.name for p in (workdir / "checkpoints").iterdir())
 
@@ -53,7 +45,7 @@ def _steps(workdir: pathlib.Path) -> list[str]:
 def reference(tmp_path_factory) -> dict[int, float]:
     workdir = tmp_path_factory.mktemp("uninterrupted")
     trainer.train(_config(workdir, "--checkpoint.async_save=false"), log=lambda *_: None)
-    losses = _losses(workdir)
+    losses = logged_losses(workdir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
 
@@ -131,17 +123,17 @@ def _tensorboard_steps(workdir: pathlib.Path, tag: str) -> list[int]:
 def test_sigterm_saves_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
     workdir = tmp_path / "run"
     proc = _launch(workdir)  # async saves: the exit waits for the save
-    _wait_for(lambda: len(_records(workdir)) >= 2, proc, "step 2 logged")
+    _wait_for(lambda: len(metric_records(workdir)) >= 2, proc, "step 2 logged")
     proc.send_signal(signal.SIGTERM)
     assert _finish(proc, workdir) == 0
-    stopped = max(_losses(workdir))
+    stopped = max(logged_losses(workdir))
     assert stopped < STEPS, "the run ended before the signal; make the test run longer"
     assert f"SIGTERM received: stopping after step {stopped}" in _output(workdir)
     assert _steps(workdir) == [str(stopped)]  # committed, nothing left half-written
 
     trainer.train(_config(workdir))  # resume (the first step after it is logged too)
-    assert _losses(workdir) == reference  # every step, bit-exact
-    records = _records(workdir)
+    assert logged_losses(workdir) == reference  # every step, bit-exact
+    records = metric_records(workdir)
     assert [r["step"] for r in records if "first_step_time_s" in r] == [1, stopped + 1]
     assert _tensorboard_steps(workdir, "loss") == list(range(1, STEPS + 1))  # no hole
 
@@ -149,7 +141,7 @@ def test_sigterm_saves_then_resume_equals_the_uninterrupted_run(tmp_path, refere
 def test_a_second_signal_exits_at_once(tmp_path):
     workdir, marker = tmp_path / "run", tmp_path / "committing"
     proc = _launch(workdir, faults=["--slow-commit", str(marker), "1"])
-    _wait_for(lambda: len(_records(workdir)) >= 2, proc, "step 2 logged")
+    _wait_for(lambda: len(metric_records(workdir)) >= 2, proc, "step 2 logged")
     proc.send_signal(signal.SIGTERM)
     _wait_for(marker.exists, proc, "the stop checkpoint being committed")
     proc.send_signal(signal.SIGTERM)  # the commit now waits ten minutes; this must not
@@ -160,7 +152,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
 def test_max_runtime_stops_with_a_checkpoint(tmp_path, capsys):
     workdir = tmp_path / "run"
     trainer.train(_config(workdir, "--train.max_runtime=0.5s"))  # passes during step 1
-    stopped = max(_losses(workdir))
+    stopped = max(logged_losses(workdir))
     assert stopped < STEPS and _steps(workdir) == [str(stopped)]
     assert f"train.max_runtime reached: stopping after step {stopped}" in capsys.readouterr().out
 
@@ -181,9 +173,9 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, refer
     trainer.train(_config(workdir, "--checkpoint.every=2"), log=logged.append)
     assert any(f"ignored {partial}: a save interrupted" in line for line in logged), logged
     assert any(line.endswith("checkpoints/2") and "resumed from" in line for line in logged)
-    assert _losses(workdir) == reference  # steps 3.. logged again by the resumed run
+    assert logged_losses(workdir) == reference  # steps 3.. logged again by the resumed run
     # ... and once: the killed attempt's records of steps 3 and 4 were dropped at the restart
-    assert [r["step"] for r in _records(workdir) if "loss" in r] == sorted(reference)
+    assert [r["step"] for r in metric_records(workdir) if "loss" in r] == sorted(reference)
 
 
 # ----------------------------------------------------------------------------- damage
@@ -243,7 +235,7 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, stopped_a
         assert "params/embed does not hold the values that were saved" in warning[0]
     assert "renamed it 6.unreadable and resumed from step 4" in warning[0]
     assert (workdir / "checkpoints" / "6.unreadable").is_dir()  # kept for inspection
-    assert _losses(workdir) == reference
+    assert logged_losses(workdir) == reference
 
 
 def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, stopped_at_6):
@@ -251,12 +243,12 @@ def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, stopped_
     shutil.copytree(stopped_at_6, workdir)
     for step, damage in (("2", _garbage_metadata), ("4", _truncate), ("6", _other_fingerprint)):
         damage(workdir / "checkpoints" / step)
-    before = _records(workdir)
+    before = metric_records(workdir)
     for _ in range(2):  # and again on the next attempt: nothing was renamed or overwritten
         with pytest.raises(CheckpointCorruptError, match=r"step 6: .*fingerprint.*; step 4: .*"
                            r"; step 2: .*JSONDecodeError"):
             trainer.train(_config(workdir))
-        assert _steps(workdir) == ["2", "4", "6"] and _records(workdir) == before
+        assert _steps(workdir) == ["2", "4", "6"] and metric_records(workdir) == before
 
 
 # ----------------------------------------------------------------------------- full, read-only
@@ -276,7 +268,7 @@ def test_a_full_disk_at_save_time_is_an_error_that_keeps_the_previous_checkpoint
     assert "the latest complete checkpoint" in error and "checkpoints/2, is kept" in error
     assert _steps(workdir) == ["2", "4.orbax-checkpoint-tmp"]
     trainer.train(_config(workdir))  # room again: resumes from 2
-    assert _losses(workdir) == reference
+    assert logged_losses(workdir) == reference
 
 
 def test_a_read_only_workdir_is_refused_before_anything_runs(tmp_path, stopped_at_6):

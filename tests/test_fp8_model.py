@@ -12,7 +12,7 @@ from jaxtrain.model import fp8
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import CheckpointConfig, ConfigError, RematConfig
-from util import random_batch, tiny_config
+from util import logged_losses, random_batch, tiny_config
 
 FP8 = ("--fp8.enabled=true", "--fp8.amax_history_len=16")
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
@@ -245,11 +245,6 @@ def test_eval_uses_fp8_with_the_metas_and_the_compute_dtype_without(one_device):
 
 # ----------------------------------------------------------------------------- the trainer
 
-def _losses(workdir):
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 STEPS = 20
 
 
@@ -271,7 +266,7 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_fp8_training_tracks_bf16(runs):
     root, _ = runs
-    bf16, f8 = _losses(root / "bf16"), _losses(root / "fp8")
+    bf16, f8 = logged_losses(root / "bf16"), logged_losses(root / "fp8")
     # Same batches in both runs: averaging the last steps leaves the fp8-vs-bf16 difference
     # (measured: -0.03% at 40 steps, -0.01% at 200 (BENCHMARKS.md); single steps differ by up
     # to 3%). CI runs 20 steps to stay within the suite's time budget.
@@ -283,7 +278,7 @@ def test_fp8_training_tracks_bf16(runs):
 
 def test_resume_restores_the_meta_and_reproduces_the_uninterrupted_run(runs):
     root, cfg = runs
-    straight, resumed = _losses(root / "fp8"), _losses(root / "resumed")
+    straight, resumed = logged_losses(root / "fp8"), logged_losses(root / "resumed")
     rows = [json.loads(x) for x in (root / "resumed" / "metrics.jsonl").read_text().splitlines()]
     starts = [r["step"] for r in rows if "first_step_time_s" in r]
     assert starts == [1, 11] and sorted(resumed) == list(range(1, STEPS + 1))  # stopped, resumed

@@ -21,6 +21,8 @@ import time
 import numpy as np
 import pytest
 
+from util import logged_losses
+
 pytestmark = pytest.mark.slow   # real processes: the slowest module of the suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,11 +73,6 @@ def _wait(procs, logs) -> None:
         assert p.returncode == 0, f"{log.name} exited {p.returncode}:\n{log.read_text()[-4000:]}"
 
 
-def _losses(workdir: pathlib.Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
 def test_two_processes_match_one_and_resume_in_one(tmp_path):
     one, two = tmp_path / "one_process", tmp_path / "two_processes"
     logs = [tmp_path / "one.log"]
@@ -90,7 +87,7 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path):
 
     run = json.loads((two / "run.json").read_text())
     assert run["process_count"] == 2 and run["n_devices"] == 8
-    want, got = _losses(one), _losses(two)
+    want, got = logged_losses(one), logged_losses(two)
     assert sorted(got) == [s for s in sorted(want) if s <= 3] and max(got) == 3
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
                                rtol=1e-5)
@@ -98,7 +95,7 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path):
     # The two processes' checkpoint at step 3, resumed by one process, feeds the same batches.
     logs = [tmp_path / "resumed.log"]
     _wait([_launch(two, _env(8), logs[0])], logs)
-    got = _losses(two)
+    got = logged_losses(two)
     assert {5, 6} <= set(got)
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
                                rtol=1e-5)
@@ -116,12 +113,12 @@ def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
         env=_env(4, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES="2",
                  JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")) for i in range(2)]
     deadline = time.monotonic() + TIMEOUT_S
-    while not ((workdir / "metrics.jsonl").exists() and len(_losses(workdir)) >= 2):
+    while not ((workdir / "metrics.jsonl").exists() and len(logged_losses(workdir)) >= 2):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)
     _wait(procs, logs)
-    stopped = max(_losses(workdir))
+    stopped = max(logged_losses(workdir))
     assert stopped < 200
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(stopped)]
     assert (f"another process was asked to stop: stopping after step {stopped}"

@@ -1,5 +1,4 @@
 """Every parallel layout computes what one device computes (fp32, 2 steps)."""
-import json
 import os
 import pathlib
 import subprocess
@@ -13,7 +12,7 @@ from jaxtrain import step, trainer
 from jaxtrain.parallel import sharding
 from jaxtrain.config import load_config
 from jaxtrain.ledger.layout import LayoutError
-from util import random_batch, tiny_config
+from util import logged_losses, random_batch, tiny_config
 
 LAYOUTS = {
     "data8": ["--parallel.data=8"],
@@ -97,11 +96,6 @@ TRAIN_ARGS = ["--train.steps=3", "--train.log_every=1", "--train.eval_every=0",
               "--checkpoint.async_save=false"]
 
 
-def _losses(workdir: pathlib.Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 @pytest.mark.slow
 def test_trainer_from_one_seed_gives_one_model_on_any_layout(tmp_path):
     """`python train.py` on one device and the trainer at data=2 fsdp=2 tensor=2+SP, from the
@@ -118,7 +112,7 @@ def test_trainer_from_one_seed_gives_one_model_on_any_layout(tmp_path):
     trainer.train(load_config(ROOT / "configs/tiny.py", [
         *TRAIN_ARGS, "--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
         "--parallel.sequence_parallel=true", f"--train.workdir={layout}"]))
-    want, got = _losses(one), _losses(layout)
+    want, got = logged_losses(one), logged_losses(layout)
     assert sorted(want) == sorted(got) == [1, 2, 3]
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [want[s] for s in (1, 2, 3)],
                                rtol=1e-5)

@@ -17,6 +17,7 @@ from jaxtrain.config import ConfigError, PrepareConfig
 from jaxtrain.data import mixture, prepared
 from jaxtrain.data.__main__ import main as cli_main
 from jaxtrain.data.prepare import prepare
+from util import logged_losses
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat and dog ran far away from home über café 🙂 \n".split(" ")
@@ -311,11 +312,6 @@ def test_mixture_config_errors(mix_dirs):
 
 # ----------------------------------------------------------------------------- training
 
-def _losses(workdir):
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 @pytest.mark.slow
 def test_resume_mid_epoch_equals_the_uninterrupted_run_on_any_data_degree(corpus, prepared_dir,
                                                                           mix_dirs, tmp_path):
@@ -344,7 +340,7 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run_on_any_data_degree(corpus
     shutil.copytree(stopped, moved)
     trainer.train(tiny_config(*common, *two, workdir=str(stopped)))
     trainer.train(tiny_config(*common, "--parallel.data=8", workdir=str(moved)))
-    want, same, other = _losses(straight), _losses(stopped), _losses(moved)
+    want, same, other = logged_losses(straight), logged_losses(stopped), logged_losses(moved)
     assert {5, 6} <= set(same) <= set(want) and {5, 6} <= set(other) <= set(want)
     assert [same[s] for s in sorted(same)] == [want[s] for s in sorted(same)]
     np.testing.assert_allclose([other[s] for s in sorted(other)],

@@ -9,19 +9,14 @@ from jaxtrain import trainer
 from jaxtrain.tools import hf
 from jaxtrain.checkpoint import CheckpointMismatchError, read_layer_order, read_saved_params
 from jaxtrain.config import ConfigError, derive
-from util import tiny_config
-
-
-def _losses(workdir):
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+from util import logged_losses, tiny_config
 
 
 def test_loss_falls_on_the_corpus_and_metrics_are_written(tmp_path):
     cfg = tiny_config("--train.steps=40", "--train.lr=1e-2", "--train.log_every=1",
                       "--train.eval_every=20", "--train.eval_batches=1", workdir=str(tmp_path))
     final = trainer.train(cfg)
-    losses = _losses(tmp_path)
+    losses = logged_losses(tmp_path)
     # Bytes start near uniform (ln 259 = 5.6) and the model quickly learns byte statistics
     # and more.
     first, last = losses[1], sum(losses[s] for s in range(36, 41)) / 5
@@ -47,10 +42,10 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     trainer.train(straight)
     stopped = tiny_config(*common, "--train.exit_interval=3", workdir=str(tmp_path / "b"))
     trainer.train(stopped)  # exits after step 3 with a checkpoint
-    assert max(_losses(tmp_path / "b")) == 3
+    assert max(logged_losses(tmp_path / "b")) == 3
     trainer.train(stopped)  # resumes at 3, runs to 6
     # Every step is logged, the first after the restart (step 4) too.
-    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    a, b = logged_losses(tmp_path / "a"), logged_losses(tmp_path / "b")
     assert sorted(b) == sorted(a) == [1, 2, 3, 4, 5, 6]
     assert [a[s] for s in b] == [b[s] for s in b]  # bit-exact
 
@@ -69,7 +64,7 @@ def test_pipelined_checkpoint_resumes_unpipelined_and_exports_in_model_order(tmp
     shutil.rmtree(b / "checkpoints" / "4")
     trainer.train(tiny_config(*common, "--parallel.data=-1", workdir=str(b)))  # from step 2
     # same weights at step 2, steps 3 and 4 in another layout: equal up to f32 summation order
-    assert _losses(b)[4] == pytest.approx(_losses(a)[4], rel=1e-4)
+    assert logged_losses(b)[4] == pytest.approx(logged_losses(a)[4], rel=1e-4)
 
     step_dir = a / "checkpoints" / "2"
     order = read_layer_order(step_dir, 4)

@@ -1,4 +1,7 @@
-"""Small configs, batches and parameters shared by the tests."""
+"""Small configs, batches and parameters shared by the tests, and a run's metrics."""
+import json
+import pathlib
+
 import jax
 import numpy as np
 from flax import nnx
@@ -6,7 +9,7 @@ from flax import nnx
 from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_overrides
 from jaxtrain.data import synthetic_batch as random_batch
 
-__all__ = ["tiny_config", "random_batch", "random_params"]
+__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses"]
 
 
 def tiny_config(*overrides, workdir="runs/test") -> Config:
@@ -29,3 +32,14 @@ def random_params(setup):
         lambda path, x: np.ones(x.shape, x.dtype) if "scale" in jax.tree_util.keystr(path)
         else (0.1 * rng.standard_normal(x.shape)).astype(x.dtype),
         nnx.to_pure_dict(setup.abstract_state))
+
+
+def metric_records(workdir: pathlib.Path) -> list[dict]:
+    """A run's metrics.jsonl records ([] before it has any)."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def logged_losses(workdir: pathlib.Path) -> dict[int, float]:
+    """step -> loss of every logged step of a run."""
+    return {r["step"]: r["loss"] for r in metric_records(workdir) if "loss" in r}
