@@ -47,19 +47,20 @@ def parse_mixture(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def validate_data(d: DataConfig) -> None:
+def validate_data(d: DataConfig, error: type[ConfigError] = ConfigError) -> None:
+    """data.*'s rules (the data package applies them too, with its DataError)."""
     if d.mixture:
         _check(d.source == "prepared", f"data.mixture needs data.source=prepared (it is "
-               f"{d.source}); mixtures blend prepared directories")
+               f"{d.source}); mixtures blend prepared directories", error)
         _check(not d.path, "set data.path (one prepared directory) or data.mixture (several), "
-               "not both")
+               "not both", error)
         parse_mixture(d.mixture)
     elif d.source == "prepared":
         _check(bool(d.path), "data.source=prepared needs data.path (a directory written by "
-               "`python -m jaxtrain.data prepare`) or data.mixture")
+               "`python -m jaxtrain.data prepare`) or data.mixture", error)
     else:
         _check(d.source == "corpus" or d.path,
-               f"data.source={d.source} needs data.path (a file or folder)")
+               f"data.source={d.source} needs data.path (a file or folder)", error)
 
 
 def check_gqa(m: ModelConfig, error: type[ConfigError] = ConfigError) -> None:

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from jaxtrain.config import parse_mixture
+from jaxtrain.config import parse_mixture, validate_data
 from jaxtrain.data import documents as documents_lib
 from jaxtrain.data import mixture
 from jaxtrain.data.context import load_balance_degree, reorder_batch
@@ -39,16 +39,12 @@ def load_documents(cfg, path: str | None = None) -> Documents:
     d = cfg.data
     tok = make_tokenizer(d)
     check_vocab(tok, cfg.model.vocab_size)
+    if path is None:   # a mixture's directory is checked where the mixture is read
+        validate_data(d, DataError)
     if d.source == "prepared":
-        if not (path or d.path):
-            raise DataError("data.source=prepared needs data.path or data.mixture")
         return prepared_documents(path or d.path, tok)
     if d.source == "tokens":
-        if not d.path:
-            raise DataError("data.source=tokens needs data.path (a .npy or .bin token file)")
         return documents_lib.token_file_documents(d.path, tok, cfg.model.vocab_size)
-    if d.source == "text" and not d.path:
-        raise DataError("data.source=text needs data.path (a .txt file or a folder of them)")
     if d.source not in ("corpus", "text"):
         raise DataError(f"data.source={d.source!r}: choose corpus, text, tokens or prepared")
     return documents_lib.text_source_documents(d, tok)
