@@ -35,6 +35,7 @@ from jaxtrain.parallel import layer_order
 from jaxtrain.model import llama as model_lib
 from jaxtrain import config_check, optim, weights, xla_flags
 from jaxtrain.parallel import remat, sharding
+from jaxtrain.parallel.mesh_axes import STAGE
 from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
 from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger.layout import stage_layer_counts
@@ -325,7 +326,7 @@ def loss_and_grads(setup: Setup):
     The contract of both executors (`grad_sums` here, pipeline_model.grad_sums for stage >
     1): from the compute params, (summed token loss, token count, fp32 gradients of that sum,
     amax observations); the one normalisation by the token count is here."""
-    sums = _pipelined().grad_sums(setup) if setup.mesh.shape["stage"] > 1 else grad_sums(setup)
+    sums = _pipelined().grad_sums(setup) if setup.mesh.shape[STAGE] > 1 else grad_sums(setup)
 
     def fn(params, batch, fp8_meta=None):
         loss_sum, count, grad_sum, meta_grad = sums(compute_params(setup, params), batch,
@@ -450,7 +451,7 @@ def make_eval_step(setup: Setup):
     """Jitted `(params, batch, fp8_meta=None) -> (loss sum, tokens)`. With FP8 on, passing the
     train state's metas evaluates in FP8 as training runs; without them, in the compute dtype."""
     batch_sh = setup.batch_shardings
-    eval_step = (_pipelined().eval_sums(setup) if setup.mesh.shape["stage"] > 1
+    eval_step = (_pipelined().eval_sums(setup) if setup.mesh.shape[STAGE] > 1
                  else eval_sums(setup))
     plain = jax.jit(lambda params, batch: eval_step(params, batch),
                     in_shardings=(setup.param_shardings, batch_sh),

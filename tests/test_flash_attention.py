@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+from jaxtrain.data.context import context_order
 from jaxtrain.model.kernels import (FlashAttentionError, block_counts, flash_attention,
                                      flash_attention_backward, reference_attention)
 from jaxtrain.model.kernels.flash_attention import _kernel_block_counts
@@ -417,19 +418,13 @@ def test_packed_documents_never_read_other_documents_blocks():
 # ----------------------------------------------------------------------------- context shards
 
 
-def _zigzag(S, c):
-  """The load-balanced order of context parallelism: rank r holds chunks r and 2c-1-r."""
-  chunks = np.arange(S).reshape(2 * c, S // (2 * c))
-  return np.concatenate([np.concatenate([chunks[r], chunks[2 * c - 1 - r]]) for r in range(c)])
-
-
 def test_a_context_shard_against_gathered_keys_matches_the_reference():
   """Queries of one load-balanced shard (rank 1 of 2: chunks 1 and 2 of 4) against every key in
   the shards' order, with packed documents: causal masking by global position, Sq != Sk, the
   LSE and its gradient, and tiles skipped by position ranges (the kernels' own counters: fewer
   than without skipping, and the same results)."""
   B, S, H, K, D = 2, 64, 4, 2, 16
-  order = _zigzag(S, 2)
+  order = context_order(S, 2)   # load-balanced: rank r holds chunks r and 2c-1-r
   q, _, _, do = _inputs(12, B, S // 2, H, K, D)
   _, k, v, _ = _inputs(13, B, S, H, K, D)
   docs = np.asarray(_packed_segments(B, S, seed=3))

@@ -434,6 +434,9 @@ def test_stacked_meta_and_bad_config_raise():
                                 cfg=dataclasses.replace(cfg, **{key: value}))
 
 
+FP8_COLLECTION = "fp8_meta"   # where a linen layer keeps its metas
+
+
 class _Fp8DenseGeneral(nn.Module):
     """How a projection plugs in: it owns one meta and binds it into DenseGeneral's dot_general."""
     features: tuple
@@ -441,7 +444,7 @@ class _Fp8DenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        meta = self.variable(fp8.COLLECTION, "meta", fp8.init_meta, self.cfg)
+        meta = self.variable(FP8_COLLECTION, "meta", fp8.init_meta, self.cfg)
         dot = functools.partial(fp8.fp8_dot_general, meta=meta.value, cfg=self.cfg, name=self.name)
         return nn.DenseGeneral(self.features, use_bias=False, dot_general=dot, name="proj")(x)
 
@@ -451,12 +454,12 @@ def test_plugs_into_flax_dense_general():
     layer = _Fp8DenseGeneral((2, 16), cfg, name="q_proj")
     x, dy = normal(15, (2, 8, 32)), normal(16, (2, 8, 2, 16))
     variables = layer.init(jax.random.key(0), x)
-    params, metas = variables["params"], variables[fp8.COLLECTION]
+    params, metas = variables["params"], variables[FP8_COLLECTION]
     assert fp8.is_fp8_meta(metas["meta"])
 
     @jax.jit
     def step(params, metas):
-        loss = lambda p, m: jnp.sum(layer.apply({"params": p, fp8.COLLECTION: m}, x) * dy)
+        loss = lambda p, m: jnp.sum(layer.apply({"params": p, FP8_COLLECTION: m}, x) * dy)
         g_params, g_metas = jax.grad(loss, argnums=(0, 1))(params, metas)
         return g_params, fp8.apply_meta_update(metas, g_metas, cfg)
 

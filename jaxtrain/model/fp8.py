@@ -40,8 +40,6 @@ from jaxtrain.config import FP8_ALIGN, ConfigError, Fp8Config, check_fp8
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 FLT_MAX = float(np.finfo(np.float32).max)
-# Suggested flax variable collection for metas (kept out of "params" and out of optax).
-COLLECTION = "fp8_meta"
 
 
 class Fp8Error(ValueError):

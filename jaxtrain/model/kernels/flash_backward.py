@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels.flash_config import _Config
-from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _col_loops, _compiler_params, _div, _dot,
+from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _col_loops, _div, _dot,
                                                 _dot_nt, _mask, _q_block_index, _row_loops,
                                                 _q_program_inputs, _run_loops, _schedule_specs,
                                                 _schedules, _split_refs)
@@ -158,7 +159,7 @@ def _dkv_call(cfg: _Config, q, k, v, do, lse_BHS, delta_BHS, q_seg, kv_seg, q_po
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd),
+      compiler_params=triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd),
       interpret=cfg.interpret,
       name="jaxtrain_flash_bwd_dkv",
   )(*args)
@@ -204,7 +205,7 @@ def _dq_call(cfg: _Config, q, k, v, do, lse_BHS, delta_BHS, q_seg, kv_seg, q_pos
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd),
+      compiler_params=triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd),
       interpret=cfg.interpret,
       name="jaxtrain_flash_bwd_dq",
   )(*args)

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels.flash_config import _Config
-from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _MASKED, _compiler_params, _div, _dot,
+from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _MASKED, _div, _dot,
                                                 _dot_nt, _mask, _q_block_index, _row_loops,
                                                 _q_program_inputs, _run_loops, _schedules,
                                                 _split_refs)
@@ -118,7 +119,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=_compiler_params(cfg.num_warps, cfg.num_stages),
+      compiler_params=triton_compiler_params(cfg.num_warps, cfg.num_stages),
       interpret=cfg.interpret,
       name="jaxtrain_flash_fwd",
   )(*args)

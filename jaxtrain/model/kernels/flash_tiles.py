@@ -14,7 +14,6 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels import block_map
 from jaxtrain.model.kernels.flash_config import _Config
 
@@ -23,10 +22,6 @@ _LN2 = math.log(2.0)
 # Finite stand-in for -inf on masked logits: exp2(_MASKED - m) underflows to 0 without ever
 # forming inf - inf, and it stays representable in fp32.
 _MASKED = -1e30
-
-
-def _compiler_params(num_warps, num_stages):
-  return triton_compiler_params(num_warps, num_stages)
 
 
 def _dot_nt(a, b, precision):
