@@ -19,7 +19,6 @@ from jaxtrain.config import ModelConfig
 from util import random_batch, random_params, tiny_config
 
 BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=8")
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _loss_and_grads(overrides, devices, params0=None):
@@ -34,7 +33,7 @@ def _loss_and_grads(overrides, devices, params0=None):
     kernels = {"jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq"}
     hlo = lowered.as_text(debug_info=True)
     assert all((k in hlo) == (cfg.model.attention == "pallas") for k in kernels)
-    grad_step = lowered.compile(FAST_COMPILE)
+    grad_step = lowered.compile()
     loss, _, grads = grad_step(params, batch)
     return float(loss), jax.device_get(grads), params0
 
@@ -94,7 +93,7 @@ def test_uneven_groups_and_unsplittable_batch():
 
     def loss_and_grads(attn):
         fn = jax.value_and_grad(lambda *x: loss(attn, *x), argnums=(0, 1, 2))
-        return jax.jit(fn, compiler_options=FAST_COMPILE)(q_BSHE, k_BSKE, v_BSKE)
+        return jax.jit(fn)(q_BSHE, k_BSKE, v_BSKE)
 
     (got_loss, got_grads), (want_loss, want_grads) = (
         loss_and_grads(sharded), loss_and_grads(attention.xla_attention))

@@ -23,7 +23,6 @@ from util import logged_losses, random_batch, random_params, tiny_config
 # 1 layer (2 with stages), seq 32 so that c=4 leaves 4-token chunks; 4 heads / 2 KV heads.
 BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=8",
         "--train.lr=1e-2")
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _grads(overrides, n_devices, params0=None, batch=None):
@@ -41,7 +40,7 @@ def _grads(overrides, n_devices, params0=None, batch=None):
     if cfg.model.attention == "pallas":  # the kernels really run, not an XLA fallback
         hlo_text = lowered.as_text(debug_info=True)
         assert all(k in hlo_text for k in ("jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dq"))
-    out = lowered.compile(FAST_COMPILE)(*args)
+    out = lowered.compile()(*args)
     return float(out[0]), jax.device_get(out[2]), params0, (
         jax.device_get(out[3]) if len(out) > 3 else None)
 

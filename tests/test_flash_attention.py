@@ -2,7 +2,8 @@
 
 Every distinct configuration costs an XLA compile of the interpreted kernels (seconds on CPU), so
 the cases are few, each one checks forward and all three gradients at once, and test jits compile
-at XLA backend optimization level 0 (half the compile time; the interpreted loops run in ms).
+at XLA backend optimization level 0 (tests/conftest.py: half the compile time; the interpreted
+loops run in ms).
 """
 import functools
 
@@ -36,10 +37,7 @@ def _packed_segments(B, S, seed=0):
   return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
 
 
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-@functools.partial(jax.jit, static_argnums=0, compiler_options=_FAST_COMPILE)
+@functools.partial(jax.jit, static_argnums=0)
 def _value_and_grads(attn, q, k, v, do):
   out, vjp = jax.vjp(attn, q, k, v)
   return (out, *vjp(do.astype(out.dtype)))

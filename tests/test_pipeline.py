@@ -25,16 +25,14 @@ E, D, F, C, B, S = 3, 8, 16, 5, 4, 2     # raw input, model, mlp, classes, batch
 V = 11                                  # vocab of the token-input variant
 NAN = float("nan")
 TOL = 1e-5
-# CPU code generation dominates compile time here and speed does not matter: halves it.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def compile_fast(fn, *args):
-    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)
+    return jax.jit(fn).lower(*args).compile()
 
 
 def jit_fast(fn):
-    """jax.jit(fn) compiled with FAST_COMPILE (a new compile per call: call it once)."""
+    """jax.jit(fn) compiled for these args (a new compile per call: call it once)."""
     return lambda *args: compile_fast(fn, *args)(*args)
 
 

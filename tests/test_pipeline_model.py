@@ -23,8 +23,6 @@ from util import random_batch, tiny_config
 BASE = ("--model.vocab_size=512", "--model.num_layers=4", "--train.global_batch=16",
         "--train.seq_len=16")
 TOL = 1e-5
-# CPU code generation dominates compile time here and speed does not matter: halves it.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 # name -> overrides. Together: p in {2, 4}, v in {1, 2}, m in {4, 8}, the three schedules, with
 # data (ZeRO-1), fsdp or tensor (+SP, +data) filling the other devices, full remat in chunks,
@@ -79,7 +77,7 @@ def place(setup, params, batch):
 
 
 def compile_fast(fn, *args):
-    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)
+    return jax.jit(fn).lower(*args).compile()
 
 
 def random_params(setup, seed=0):
