@@ -20,9 +20,9 @@ from jax.experimental import pallas as pl
 
 from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels.flash_config import _Config
-from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _col_loops, _div, _dot,
-                                                _dot_nt, _mask, _q_block_index, _row_loops,
-                                                _q_program_inputs, _run_loops, _schedule_specs,
+from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _col_loops, _dot, _dot_nt, _mask,
+                                                _q_block_index, _q_maps, _q_program_inputs,
+                                                _row_loops, _run_loops, _schedule_specs,
                                                 _schedules, _split_refs)
 
 
@@ -175,29 +175,19 @@ def _dq_call(cfg: _Config, q, k, v, do, lse_BHS, delta_BHS, q_seg, kv_seg, q_pos
   group = H // K
   bq = cfg.block_q_bwd
   num_q_blocks = Sq // bq
-
-  def q_map(i, b, h):
-    return (b, _q_block_index(i, num_q_blocks, cfg.causal), h, 0)
-
-  def row_map(i, b, h):
-    return (b, h, _q_block_index(i, num_q_blocks, cfg.causal))
-
-  def kv_map(i, b, h):
-    return (b, 0, _div(h, group), 0)
-
-  q_spec = pl.BlockSpec((None, bq, None, D), q_map)
-  kv_full_spec = pl.BlockSpec((None, Sk, None, D), kv_map)
-  row_spec = pl.BlockSpec((None, None, bq), row_map)
+  maps = _q_maps(cfg, num_q_blocks, group)
+  q_spec = pl.BlockSpec((None, bq, None, D), maps.q)
+  kv_full_spec = pl.BlockSpec((None, Sk, None, D), maps.kv)
+  row_spec = pl.BlockSpec((None, None, bq), maps.row)
   in_specs = [q_spec, kv_full_spec, kv_full_spec, q_spec, row_spec, row_spec]
-  q_row = lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))
-  extra_specs, extra_args = _q_program_inputs(cfg, q_row, bq, Sk, q_seg, kv_seg, q_pos, kv_pos,
+  extra_specs, extra_args = _q_program_inputs(cfg, maps.q_row, bq, Sk, q_seg, kv_seg, q_pos, kv_pos,
                                               rows)
   in_specs += extra_specs
   args = [q, k, v, do, lse_BHS, delta_BHS, *extra_args]
   out_specs = [q_spec]
   out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)]
   if cfg.count_blocks:
-    out_specs.append(pl.BlockSpec((None, None, None), row_map))
+    out_specs.append(pl.BlockSpec((None, None, None), maps.row))
     out_shape.append(jax.ShapeDtypeStruct((B, H, num_q_blocks), jnp.int32))
   dq, *count = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, num_q_blocks=num_q_blocks),

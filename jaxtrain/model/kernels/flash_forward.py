@@ -13,10 +13,9 @@ from jax.experimental import pallas as pl
 
 from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels.flash_config import _Config
-from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _MASKED, _div, _dot,
-                                                _dot_nt, _mask, _q_block_index, _row_loops,
-                                                _q_program_inputs, _run_loops, _schedules,
-                                                _split_refs)
+from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _MASKED, _dot, _dot_nt, _mask,
+                                                _q_block_index, _q_maps, _q_program_inputs,
+                                                _row_loops, _run_loops, _schedules, _split_refs)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
@@ -81,37 +80,29 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
   group = H // K
   block_q = cfg.block_q
   num_q_blocks = Sq // block_q
-
-  def q_map(i, b, h):
-    return (b, _q_block_index(i, num_q_blocks, cfg.causal), h, 0)
-
-  def kv_map(i, b, h):
-    return (b, 0, _div(h, group), 0)
-
+  maps = _q_maps(cfg, num_q_blocks, group)
   in_specs = [
-      pl.BlockSpec((None, block_q, None, D), q_map),
-      pl.BlockSpec((None, Sk, None, D), kv_map),
-      pl.BlockSpec((None, Sk, None, D), kv_map),
+      pl.BlockSpec((None, block_q, None, D), maps.q),
+      pl.BlockSpec((None, Sk, None, D), maps.kv),
+      pl.BlockSpec((None, Sk, None, D), maps.kv),
   ]
-  q_row = lambda i, b, h: (b, _q_block_index(i, num_q_blocks, cfg.causal))
   rows = None
   if cfg.skip_blocks:
     rows, _ = _schedules(cfg, q_seg, kv_seg, q_pos, kv_pos, block_q, cfg.block_k, B, Sq, Sk)
-  extra_specs, extra_args = _q_program_inputs(cfg, q_row, block_q, Sk, q_seg, kv_seg, q_pos,
-                                              kv_pos, rows)
+  extra_specs, extra_args = _q_program_inputs(cfg, maps.q_row, block_q, Sk, q_seg, kv_seg,
+                                              q_pos, kv_pos, rows)
   in_specs += extra_specs
   args = [q, k, v, *extra_args]
   out_specs = [
-      pl.BlockSpec((None, block_q, None, D), q_map),
-      pl.BlockSpec((None, None, block_q),
-                   lambda i, b, h: (b, h, _q_block_index(i, num_q_blocks, cfg.causal))),
+      pl.BlockSpec((None, block_q, None, D), maps.q),
+      pl.BlockSpec((None, None, block_q), maps.row),
   ]
   out_shape = [
       jax.ShapeDtypeStruct(q.shape, q.dtype),
       jax.ShapeDtypeStruct((B, H, Sq), jnp.float32),
   ]
   if cfg.count_blocks:
-    out_specs.append(pl.BlockSpec((None, None, None), lambda i, b, h: (b, h, q_row(i, b, h)[1])))
+    out_specs.append(pl.BlockSpec((None, None, None), maps.row))
     out_shape.append(jax.ShapeDtypeStruct((B, H, num_q_blocks), jnp.int32))
   out, lse_BHS, *count = pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, num_q_blocks=num_q_blocks),

@@ -7,7 +7,7 @@ Only the Triton-lowerable subset of jax.numpy is used inside kernels.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -129,6 +129,20 @@ def _schedule_specs(schedule: block_map.Schedule, program_block):
   width = schedule.blocks.shape[-1]
   return [pl.BlockSpec((None, None, width), lambda *g: (*program_block(*g), 0)),
           pl.BlockSpec((None, None), program_block), pl.BlockSpec((None, None), program_block)]
+
+
+class _QMaps(NamedTuple):
+  """Index maps of a q-block program's grid (q block, batch, q head): forward and dQ."""
+  q: Callable       # its q rows of its head, in [B, S, H, D]
+  kv: Callable      # the whole K/V of its head's kv head, in [B, S, K, D]
+  row: Callable     # (batch, head, q block) of a per-row output [B, H, S] (LSE, counts)
+  q_row: Callable   # (batch, q block) of a per-token input [B, S] (segment ids)
+
+
+def _q_maps(cfg: _Config, num_q_blocks: int, group: int) -> _QMaps:
+  qb = lambda i: _q_block_index(i, num_q_blocks, cfg.causal)  # noqa: E731
+  return _QMaps(q=lambda i, b, h: (b, qb(i), h, 0), kv=lambda i, b, h: (b, 0, _div(h, group), 0),
+                row=lambda i, b, h: (b, h, qb(i)), q_row=lambda i, b, h: (b, qb(i)))
 
 
 def _q_program_inputs(cfg: _Config, q_row, block_q: int, Sk: int, q_seg, kv_seg, q_pos, kv_pos,
