@@ -60,7 +60,8 @@ class Rank:
                                                                "default_pg", "ranks": [0, 1]}]},
                      "host_name": "node0", "record_shapes": 1}
         self.pid = 1000 + rank
-        self.ev += [{"ph": "M", "pid": self.pid, "name": "process_name", "args": {"name": "python"}},
+        self.ev += [{"ph": "M", "pid": self.pid, "name": "process_name",
+                     "args": {"name": "python"}},
                     {"ph": "M", "pid": self.gpu, "name": "process_name",
                      "args": {"name": f"GPU {self.gpu}"}}]
 

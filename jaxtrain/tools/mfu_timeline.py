@@ -217,10 +217,13 @@ def _op(s: pt.Span, ops: dict, module: str, host: torch_ops.HostSide, degrees, e
         return None
     corr = s.args.get("correlation", s.args.get("correlation_id"))
     launch = host.launches.get(str(corr)) if corr is not None else None
-    comms = {**((launch.comms or {}) if launch else {}),
-             **{k: v for k, v in s.args.items() if k.startswith(("Collective", "Process Group"))}}
-    kind = kc.classify(info.kernel if info is not None and info.kernel else s.name,
-                       str(comms.get("Collective name", "")))
+    kind = kc.classify(info.kernel if info is not None and info.kernel else s.name)
+    comms = {}
+    if kind.cls in ("comm", "p2p"):   # an NCCL kernel: its collective from record_param_comms
+        comms = {**((launch.comms or {}) if launch else {}),
+                 **{k: v for k, v in s.args.items()
+                    if k.startswith(("Collective", "Process Group"))}}
+        kind = kc.classify(s.name, str(comms.get("Collective name", "")))
     op = Op(start=s.start, end=s.end, name=hlo_name or s.name, kind="compute", cls=kind.cls,
             family=kind.family, recompute=bool(launch and launch.recompute))
     if info is not None:
@@ -256,8 +259,9 @@ def _from_hlo(op: Op, info: pt.HloOp, kind: kc.Kind) -> None:
     elif info.gemm_flops:
         op.cls = "gemm"
         op.family = kind.family if kind.cls == "gemm" else "XLA dot (HLO)"
-    elif kind.cls in ("gemm", "comm", "p2p"):
-        op.cls, op.family = "non_gemm", "XLA fusion (HLO)"   # the HLO says: no matmul
+    elif kind.cls in ("gemm", "comm", "p2p") or kind.family == "other kernels":
+        op.cls = "non_gemm" if kind.cls in ("gemm", "comm", "p2p") else op.cls
+        op.family = "XLA ops (HLO)"   # the HLO says: no matmul
 
 
 def _torch_comm(op: Op, comms: dict, kind: kc.Kind, degrees, expert) -> None:

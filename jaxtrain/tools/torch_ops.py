@@ -12,8 +12,10 @@ thread, innermost last. From that stack:
   (`CheckpointFunctionBackward`) or not (the replay runs inside the first node that unpacks a
   saved tensor). A backward GEMM is never recompute however slow it runs: its op records no
   sequence number, and its shapes are the transposed problem's.
-- **collective**: the `record_param_comms` op around the launch (or the last one before it on
-  the thread, inside the same top-level op): its collective name, process group and ranks.
+- **collective**: the `record_param_comms` op around the launch, or the last one before it
+  under the same parent op (torch records it beside `nccl:all_reduce`, not around it): its
+  collective name, process group and ranks. It names NCCL kernels only (jaxtrain.tools.
+  mfu_timeline), so a GEMM launched after a collective is never taken for one.
 
 `markers` is False when the trace has no backward nodes (no CPU activity, or no autograd), so
 recompute cannot be measured from it.
@@ -57,22 +59,22 @@ def host_side(spans: list[pt.Span]) -> HostSide:
     for ops in by_thread.values():
         ops.sort(key=lambda s: (s.start, -s.dur))
         stack: list[pt.Span] = []
-        last_comms = None
+        last_comms = (None, None)   # (its parent op, the record_param_comms op)
         for s in ops:
             while stack and stack[-1].end <= s.start:
                 stack.pop()
-            if not stack:
-                last_comms = None   # a new top-level op: an earlier comms op is not this one's
             if s.cat in _HOST_OP_CATS:
                 if s.name.startswith(BACKWARD_NODE):
                     markers = True
                 elif s.name == COMMS_OP:
-                    last_comms = s
+                    last_comms = (stack[-1] if stack else None, s)
                 elif not _under_backward(stack):
                     forward.add(_signature(s))   # (reentrant checkpoint's forward: no grad)
                 stack.append(s)
             else:
-                stacks[str(_corr(s))] = (s, tuple(stack), last_comms)
+                parent, comms = last_comms
+                sibling = comms if parent is None or any(o is parent for o in stack) else None
+                stacks[str(_corr(s))] = (s, tuple(stack), sibling)
     launches = {}
     for corr, (s, stack, last_comms) in stacks.items():
         comms = next((o for o in reversed(stack) if o.name == COMMS_OP), last_comms)
