@@ -152,6 +152,16 @@ def test_synthetic_jax_trace_gives_exactly_the_known_terms(tmp_path):
     assert g["tflops"] == pytest.approx(6 * 2 * 64 ** 3 / (2 * 0.035) / 1e12)
 
 
+def test_a_slow_backward_gemm_is_not_recompute(tmp_path):
+    """The backward GEMM 10 ms longer (three times the forward): kernel efficiency, not
+    recompute, which stays the replayed GEMM's 5 ms."""
+    bd = run(tmp_path, trace=jax_trace(stretch=("bwd.1", 10.0)))
+    for s in bd.steps:
+        assert s.terms["recompute"] == pytest.approx(0.005, abs=1e-12)
+        assert s.terms["kernel_efficiency"] == pytest.approx(0.038, abs=1e-12)
+    check_sums(bd)
+
+
 def test_budget_is_the_planners_estimate_and_points_add_up(tmp_path):
     cfg = cfg_with_ideal()
     bd = run(tmp_path, cfg=cfg)
@@ -274,6 +284,10 @@ def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
     assert {o.axes for o in pt.hlo_ops(text, mesh).values() if o.comm} == {("data",)}
     assert set(bd.mean.exposed_by_axis) <= {"data"}
     assert bd.gemms and bd.mean.kernel_split is not None
+    # remat none: no GEMM is replayed in the backward (only the elementwise insides of the norms
+    # and SwiGLU, which llama._elementwise_recomputed recomputes by design)
+    assert bd.mean.recompute_split["gemm"] == 0.0
+    assert bd.mean.terms["recompute"] < 0.05 * bd.mean.t_step
     # the compiled step's matmul FLOPs all show up as GEMMs on each device, every step
     from jaxtrain.tools import hlo
     per_step = hlo.matmul_flops_from_text((files[0].parent / pt.HLO_FILE).read_text())

@@ -320,3 +320,38 @@ def test_the_png_draws_the_split_and_keeps_the_budget_readable(tmp_path):
     assert (tmp_path / "out" / "mfu_breakdown.png").stat().st_size > 10_000
     saved = json.loads((tmp_path / "out" / "mfu_breakdown.json").read_text())
     assert saved["kernel_classes"]["cuBLAS/cuBLASLt"]["examples"] == [GEMM]
+
+
+def test_process_groups_on_the_configs_mesh_axes():
+    """Ranks laid out stage-slowest, tensor-fastest; descriptions where ranks cannot tell."""
+    from jaxtrain.tools.mfu_axes import desc_axis, group_label
+    d = dict(stage=2, data=2, fsdp=1, context=1, tensor=2)
+    assert [group_label(r, d) for r in ([0, 1], [0, 2], [0, 4], range(8), [0, 1, 2])] == [
+        "tensor", "data", "stage", "stage+data+tensor", None]
+    assert group_label([0, 2], d, kind="all-to-all") == "expert"   # no expert axis: dispatch
+    assert group_label([0, 1], d, kind="all-to-all") == "tensor"
+    four = dict(stage=1, data=4, fsdp=1, context=1, tensor=1)
+    assert group_label([0, 1], four, expert=2, kind="all-to-all") == "expert"
+    assert group_label([0, 2], four, expert=2) == group_label(range(4), four, expert=2) == "data"
+    assert [desc_axis(x) for x in ("mesh_tp", "mesh_dp_shard", "mesh_dp_replicate",
+                                   "PIPELINE_MODEL_PARALLEL_GROUP", "EXPERT_MODEL_PARALLEL_GROUP",
+                                   "EXPERT_DATA_PARALLEL_GROUP", "default_pg")] == [
+        "tensor", "fsdp", "data", "stage", "expert", "data", None]
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("nvjet_tst_192x192_64x4_1x2_h_bz_coopB_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn>", "gemm"),
+    ("triton_tem_fused_addmm_1", "gemm"), ("triton_poi_fused_addmm_relu_3", "non_gemm"),
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<>>>",
+     "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)",
+     "attention"),
+    ("jaxtrain_flash_bwd_dkv", "attention"),
+    ("void flash_bwd_convert_dq_kernel<Flash_bwd_kernel_traits<128>>", "non_gemm"),
+    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevComm*)", "comm"),
+    ("Memcpy HtoD (Pinned -> Device)", "h2d"), ("Memset (Device)", "memset")])
+def test_kernel_classes_by_family(name, cls):
+    assert kernel_classes.classify(name).cls == cls

@@ -3,7 +3,8 @@
 Ranks are laid out as the config's mesh, stage slowest and tensor fastest (Megatron's
 tp-cp-dp-pp order and torchtitan's device mesh alike), so a group's ranks differ exactly in the
 coordinates of the axes it spans: `default_pg` of a 2-GPU FSDP run is `fsdp`, not a group of its
-own. `parallel.expert`, where the config has it, is carved out of the data-parallel ranks as
+own; a group whose ranks fit no sub-mesh of the layout is named by its description
+(`mesh_tp`, `TENSOR_MODEL_PARALLEL_GROUP`). `parallel.expert`, where the config has it, is carved out of the data-parallel ranks as
 their fastest-varying factor (Megatron's tp-cp-ep-dp-pp); a group over those ranks alone is
 `expert`. Where the config has no expert axis, an all-to-all over data-parallel or FSDP ranks
 (Megatron carves experts out of data, torchtitan out of dp_shard), or such a group whose
@@ -19,7 +20,17 @@ import re
 from jaxtrain.ledger.layout import AXES_FAST_TO_SLOW
 
 MESH_ORDER = tuple(reversed(AXES_FAST_TO_SLOW))   # stage, data, fsdp, context, tensor
-_EXPERT_DESC_RE = re.compile(r"(^|[^a-z])(ep|expert|moe)([^a-z]|$)", re.I)
+# a description's words -> the axis (torchtitan's mesh_<dim>, Megatron's *_PARALLEL_GROUP),
+# first match wins: dp_shard before dp; Megatron's EXPERT_DATA_PARALLEL_GROUP reduces expert
+# gradients over the data ranks that hold the same experts: data
+_DESC_AXES = [(re.compile(p, re.I), axis) for p, axis in (
+    (r"expert_data|edp", "data"),
+    (r"(^|[^a-z])(ep|expert|moe)([^a-z]|$)", "expert"),
+    (r"(^|[^a-z])(tp|tensor)([^a-z]|$)", "tensor"),
+    (r"(^|[^a-z])(pp|pipe\w*)([^a-z]|$)", "stage"),
+    (r"(^|[^a-z])(cp|context)([^a-z]|$)", "context"),
+    (r"dp_shard|fsdp|(^|[^a-z])shard", "fsdp"),
+    (r"(^|[^a-z])(dp|dp_replicate|data)([^a-z]|$)", "data"))]
 
 
 def expert_degree(cfg) -> int:
@@ -60,7 +71,7 @@ def group_label(ranks, degrees: dict, *, expert: int = 1, kind: str = "",
     varying = [i for i in range(len(axes)) if len({p[i] for p in points}) > 1]
     names = [axes[i][0] for i in varying]
     if expert == 1 and names and set(names) <= {"data", "fsdp"} and (
-            kind == "all-to-all" or _EXPERT_DESC_RE.search(desc or "")):
+            kind == "all-to-all" or desc_axis(desc) == "expert"):
         return "expert"   # the expert dispatch over data-parallel ranks (no expert axis)
     if len(ranks) != math.prod(axes[i][1] for i in varying):
         return None   # not every combination of the varying coordinates: no sub-mesh
@@ -68,6 +79,11 @@ def group_label(ranks, degrees: dict, *, expert: int = 1, kind: str = "",
                                        and dict(axes)["data"] == 1):
         names = ["data"]   # the whole data axis (a gradient reduction, not the dispatch)
     return "+".join(dict.fromkeys(names)) or "none"
+
+
+def desc_axis(desc: str) -> str | None:
+    """The mesh axis a process group's description names (None: none, or `default_pg`)."""
+    return next((axis for pattern, axis in _DESC_AXES if pattern.search(desc or "")), None)
 
 
 def parse_ranks(value) -> list[int] | None:

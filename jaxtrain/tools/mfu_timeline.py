@@ -258,7 +258,8 @@ def _from_hlo(op: Op, info: pt.HloOp, kind: kc.Kind) -> None:
         op.group = op.name
     elif info.gemm_flops:
         op.cls = "gemm"
-        op.family = kind.family if kind.cls == "gemm" else "XLA dot (HLO)"
+        op.family = (kind.family if kind.cls == "gemm" and kind.family != "other GEMM"
+                     else "XLA dot (HLO)")
     elif kind.cls in ("gemm", "comm", "p2p") or kind.family == "other kernels":
         op.cls = "non_gemm" if kind.cls in ("gemm", "comm", "p2p") else op.cls
         op.family = "XLA ops (HLO)"   # the HLO says: no matmul
@@ -273,7 +274,8 @@ def _torch_comm(op: Op, comms: dict, kind: kc.Kind, degrees, expert) -> None:
     op.group = f"pg {name}" if name else kind.collective
     label = (mfu_axes.group_label(ranks, degrees, expert=expert, kind=kind.collective,
                                   desc=desc) if ranks and degrees else None)
-    op.label = label or desc or (f"pg {name}" if name else kind.collective)
+    op.label = (label or mfu_axes.desc_axis(desc) or desc or (f"pg {name}" if name else
+                                                              kind.collective))
 
 
 # ----------------------------------------------------------------------------- steps
