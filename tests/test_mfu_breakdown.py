@@ -11,7 +11,7 @@ from jaxtrain.tools import mfu_breakdown as mb
 from jaxtrain.tools import profile_trace as pt
 from jaxtrain.ledger import estimate, layout_from_config
 from jaxtrain.ledger.flops import model_flops_per_token, tokens_per_step
-from util import tiny_config
+from util import check_breakdown_sums, tiny_config
 
 MS = 1000.0  # trace timestamps are µs
 STEP_MS = 55.0
@@ -127,13 +127,6 @@ def run(tmp_path, trace=None, files=None, **kw):
     return mb.breakdown(trace=files, cfg=kw.pop("cfg", cfg_with_ideal()), gpu="h100", **kw)
 
 
-def check_sums(bd):
-    for s in bd.steps:
-        for d, v in s.per_device.items():
-            assert bd.ideal + sum(v[t] or 0.0 for t in mb.TERMS) == pytest.approx(
-                v["t_step"], abs=1e-12), d
-
-
 def test_synthetic_jax_trace_gives_exactly_the_known_terms(tmp_path):
     bd = run(tmp_path)
     assert bd.assignment == "run_id" and [s.step for s in bd.steps] == [1, 2]
@@ -144,7 +137,7 @@ def test_synthetic_jax_trace_gives_exactly_the_known_terms(tmp_path):
         assert s.exposed_by_axis == pytest.approx({"data": 0.006}, abs=1e-12)
         assert s.kernel_split == pytest.approx({"gemm_below_peak": 0.035 - 0.010 - 0.005,
                                                 "non_gemm": 0.008}, abs=1e-12)
-    check_sums(bd)
+    check_breakdown_sums(bd)
     # GEMM efficiency by shape: 2·64·64·64 FLOPs per dot, over the dot's measured time.
     shapes = {g["shape"]: g for g in bd.gemms}
     g = shapes["f32[64,64] x f32[64,64]"]
@@ -159,7 +152,7 @@ def test_a_slow_backward_gemm_is_not_recompute(tmp_path):
     for s in bd.steps:
         assert s.terms["recompute"] == pytest.approx(0.005, abs=1e-12)
         assert s.terms["kernel_efficiency"] == pytest.approx(0.038, abs=1e-12)
-    check_sums(bd)
+    check_breakdown_sums(bd)
 
 
 def test_budget_is_the_planners_estimate_and_points_add_up(tmp_path):
@@ -201,7 +194,7 @@ def test_multi_process_trace_gives_the_straggler_term(tmp_path):
         assert slow["stragglers"] == 0.0
         assert slow["kernel_efficiency"] == pytest.approx(0.028 + 0.005, abs=1e-12)
         assert s.terms["stragglers"] == pytest.approx(0.0025, abs=1e-12)
-    check_sums(bd)
+    check_breakdown_sums(bd)
 
 
 def test_a_collective_far_longer_than_its_bytes_allow_is_a_straggler(tmp_path):
@@ -211,7 +204,7 @@ def test_a_collective_far_longer_than_its_bytes_allow_is_a_straggler(tmp_path):
     s = bd.steps[0]
     assert s.terms["stragglers"] == pytest.approx((0.004 - want) + (0.002 - want), abs=1e-12)
     assert s.terms["exposed_comm"] == pytest.approx(2 * want, abs=1e-12)
-    check_sums(bd)
+    check_breakdown_sums(bd)
 
 
 def torch_trace(steps=3):
@@ -255,7 +248,7 @@ def test_torch_profiler_trace(tmp_path):
         assert measured == pytest.approx({**want, "kernel_efficiency": 0.033}, abs=1e-12)
         assert s.exposed_by_axis == pytest.approx({"all-reduce": 0.006}, abs=1e-12)
         assert s.kernel_split["non_gemm"] == pytest.approx(0.008, abs=1e-12)
-    check_sums(bd)
+    check_breakdown_sums(bd)
     assert any("no compiled HLO" in n for n in bd.notes)
     assert any(n.startswith("recompute n/a") and "folded" in n for n in bd.notes)
     assert bd.budget.terms["recompute"] is None and "n/a" in bd.format()
@@ -276,7 +269,7 @@ def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
     saved = json.loads((tmp_path / "profile" / "mfu_breakdown.json").read_text())
     bd = mb.breakdown(tmp_path)
     assert [s.step for s in bd.steps] == [2, 3] and bd.steps[0].devices == 8
-    check_sums(bd)
+    check_breakdown_sums(bd)
     assert saved["mean"]["t_step_s"] == pytest.approx(bd.mean.t_step)
     # The only collectives are the data-parallel gradient reduction's, and the HLO says so.
     text = (files[0].parent / pt.HLO_FILE).read_text()

@@ -11,7 +11,7 @@ import pytest
 from jaxtrain.config import ParallelConfig
 from jaxtrain.ledger.flops import model_flops_per_token, tokens_per_step
 from jaxtrain.tools import kernel_classes, mfu_breakdown as mb, mfu_plot
-from util import tiny_config
+from util import check_breakdown_sums, tiny_config
 
 MS = 1000.0
 IDEAL_MS = 10.0
@@ -137,13 +137,6 @@ def within(got: dict, want: dict, step_s: float):
         assert got[k] is not None and abs(got[k] - v) <= 0.01 * step_s, (k, got[k], v)
 
 
-def check_sums(bd):
-    for s in bd.steps:
-        for d, v in s.per_device.items():
-            assert bd.ideal + sum(v[t] or 0.0 for t in mb.TERMS) == pytest.approx(
-                v["t_step"], abs=1e-12), d
-
-
 def test_two_ranks_on_gpus_0_and_1_find_the_straggler(tmp_path):
     """Rank 1 on GPU 1 runs its backward GEMM 6 ms longer: rank 0's all-reduce waits for it."""
     files = build(tmp_path, [regular(base_step), regular(lambda: base_step(bwd_ms=22))])
@@ -159,7 +152,7 @@ def test_two_ranks_on_gpus_0_and_1_find_the_straggler(tmp_path):
         assert s.exposed_by_axis == pytest.approx({"fsdp": 0.002})   # default_pg is fsdp here
         (peer, row), = s.stragglers_on.items()
         assert peer.startswith("device 1 (rank 1, gpu:1)") and row["cause"] == "kernel_efficiency"
-    check_sums(bd)
+    check_breakdown_sums(bd)
     assert "fsdp" in bd.budget.by_axis and "waiting on device 1" in bd.format()
 
 
@@ -187,7 +180,7 @@ def test_a_peer_late_from_its_dataloader_is_a_straggler(tmp_path):
     for s in bd.steps:
         if s.step in (1, 3):
             within(s.terms, {"stragglers": 0.0, "exposed_comm": 0.008}, 0.040)
-    check_sums(bd)
+    check_breakdown_sums(bd)
 
 
 def test_slow_backward_gemms_are_not_recompute_and_a_replay_is(tmp_path):
@@ -206,7 +199,7 @@ def test_slow_backward_gemms_are_not_recompute_and_a_replay_is(tmp_path):
     for s in later_steps(bd):
         within(s.terms, {"recompute": 0.005, "kernel_efficiency": 0.015}, 0.040)
         assert s.recompute_split["gemm"] == pytest.approx(0.005)
-    check_sums(bd)
+    check_breakdown_sums(bd)
 
 
 def test_without_autograd_markers_recompute_is_not_available(tmp_path):
@@ -281,7 +274,7 @@ def test_memory_copies_have_their_own_place(tmp_path):
                          "kernel_efficiency": 0.021, "exposed_comm": 0.007}, 0.040)
         within(s.kernel_split, {"memcpy": 0.001, "non_gemm": 0.004}, 0.040)
     assert bd.kernels["memcpy host-to-device"]["class"] == "h2d"
-    check_sums(bd)
+    check_breakdown_sums(bd)
 
 
 def test_one_ranks_file_alone_keeps_the_jobs_t_ideal(tmp_path):

@@ -85,44 +85,49 @@ def step_terms(step, windows: dict, tl: mt.Timeline, ideal: Ideal, degrees: dict
                 for d, (s, e, ops) in windows.items()}
     n = len(measured)
     seen = {o.cls for _, _, ops in windows.values() for o in ops}
-    with_attention = "attention" in seen
+    classes = ("gemm", "attention", "non_gemm") if "attention" in seen else ("gemm", "non_gemm")
+    copies = any(m.by_class["memcpy"] for m in measured.values())
     measured_rc = not tl.recompute_seen
-    per_device, by_axis, split, waits = {}, defaultdict(float), defaultdict(float), []
-    rc_split = defaultdict(float)
+    per_device, by_axis, waits = {}, defaultdict(float), []
+    split, rc_split = defaultdict(float), defaultdict(float)
     for d, m in measured.items():
         beyond = _beyond_bytes(m, peers.alone[d], expected_s)
-        exposed = sum(m.exposed.values()) - sum(beyond.values())
-        waiting = sum(m.waiting.values())
-        rc = m.recompute if measured_rc else 0.0
-        terms = {"kernel_efficiency": m.busy - ideal.total - rc,
-                 "recompute": m.recompute if measured_rc else None, "bubble": m.bubble,
-                 "exposed_comm": exposed, "data_wait": m.data_wait,
-                 "launch_overhead": m.launch_overhead,
-                 "stragglers": waiting + sum(beyond.values())}
+        rc = m.recompute_by_class if measured_rc else dict.fromkeys(m.recompute_by_class, 0.0)
+        per_device[d] = {"t_step": m.t_step, "busy": m.busy,
+                         "kernel_efficiency": m.busy - ideal.total - sum(rc.values()),
+                         "recompute": m.recompute if measured_rc else None,
+                         "bubble": m.bubble,
+                         "exposed_comm": sum(m.exposed.values()) - sum(beyond.values()),
+                         "data_wait": m.data_wait, "launch_overhead": m.launch_overhead,
+                         "stragglers": sum(m.waiting.values()) + sum(beyond.values())}
         for op, x in m.exposed.items():
             by_axis[op.label or "?"] += (x - beyond.get(op, 0.0)) / n
-        rcc = m.recompute_by_class if measured_rc else dict.fromkeys(m.recompute_by_class, 0.0)
-        attn_ideal = ideal.attention if with_attention else 0.0
-        split["gemm_below_peak"] += (m.by_class["gemm"] - (ideal.total - attn_ideal)
-                                     - rcc["gemm"]) / n
-        if with_attention:
-            split["attention_below_peak"] += (m.by_class["attention"] - attn_ideal
-                                              - rcc["attention"]) / n
-        split["non_gemm"] += (m.by_class["non_gemm"] - rcc["non_gemm"]) / n
-        for cls in ("gemm", "attention", "non_gemm") if with_attention else ("gemm", "non_gemm"):
-            rc_split[cls] += rcc[cls] / n
-        if "memcpy" in seen:
-            split["memcpy"] += m.by_class["memcpy"] / n
+        for k, v in _kernel_split(m, ideal, rc, classes, copies).items():
+            split[k] += v / n
+        for c in classes:
+            rc_split[c] += rc[c] / n
         waits += [(d, peers.late[d][op], x) for op, x in m.waiting.items()]
-        per_device[d] = {"t_step": m.t_step, "busy": m.busy, **terms}
-    mean = {k: None if per_device and next(iter(per_device.values()))[k] is None else
-            sum(v[k] for v in per_device.values()) / n for k in TERMS}
+    mean = {t: None if t == "recompute" and not measured_rc else
+            sum(v[t] for v in per_device.values()) / n for t in TERMS}
     return StepTerms(step=step, devices=n,
                      t_step=sum(v["t_step"] for v in per_device.values()) / n,
                      terms=mean, exposed_by_axis=dict(by_axis),
                      kernel_split=dict(split) if "gemm" in seen else None,
                      per_device=per_device, stragglers_on=_late_peers(waits, per_device, tl, n),
                      recompute_split=dict(rc_split) if measured_rc else None)
+
+
+def _kernel_split(m, ideal: Ideal, rc: dict, classes: tuple, copies: bool) -> dict:
+    """Kernel efficiency's parts on one device: each class's time less its share of T_ideal
+    (attention's own where fused attention kernels ran) and its recompute; memory copies."""
+    attn = ideal.attention if "attention" in classes else 0.0
+    out = {"gemm_below_peak": m.by_class["gemm"] - (ideal.total - attn) - rc["gemm"]}
+    if "attention" in classes:
+        out["attention_below_peak"] = m.by_class["attention"] - attn - rc["attention"]
+    out["non_gemm"] = m.by_class["non_gemm"] - rc["non_gemm"]
+    if copies:
+        out["memcpy"] = m.by_class["memcpy"]
+    return out
 
 
 def _beyond_bytes(m, alone: list, expected_s) -> dict:

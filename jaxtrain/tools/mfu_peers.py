@@ -16,7 +16,6 @@ against the first file's. Files from one host share its clock.
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from collections import defaultdict
 
@@ -70,15 +69,6 @@ def _same_group(dev: str, peer: str, op: Op, tl: Timeline, degrees: dict | None)
         a, b = (mfu_axes.coords(tl.index[x], axes) for x in (dev, peer))
         return all(x == y for (name, _), x, y in zip(axes, a, b) if name not in op.axes)
     return True
-
-
-def group_size(op: Op, degrees: dict | None) -> int | None:
-    """How many devices the collective's group has, None when unknown."""
-    if op.ranks is not None:
-        return len(op.ranks)
-    if op.axes is not None and degrees:
-        return math.prod(degrees.get(a, 1) for a in op.axes)
-    return None
 
 
 def _offsets(instances: dict, tl: Timeline) -> dict:
