@@ -249,10 +249,10 @@ def breakdown(run_dir=None, *, trace=None, cfg: Config | None = None, hlo_text: 
     if hlo_text:
         module = pt.hlo_module_name(hlo_text)
         ops = pt.hlo_ops(hlo_text, degrees)
-    else:
-        notes.append("no compiled HLO (the trainer saves profile/.../train_step.hlo.txt; "
-                     "--hlo FILE): GEMMs found by kernel name, mesh axes from process groups")
     tl = mt.timeline(data, ids, ops, module, degrees, mfu_axes.expert_degree(cfg))
+    if not hlo_text and not tl.torch:
+        notes.append("no compiled HLO (the trainer saves profile/.../train_step.hlo.txt; "
+                     "--hlo FILE): GEMMs found by kernel name, collectives by kind")
     windows, how = mt.step_windows(tl)
     if not windows:
         n_marks = sum(len(v) for v in tl.markers.values())

@@ -16,9 +16,7 @@ _LOG_ABOVE = 30.0
 
 
 def bars(bd) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    """[(bar name, its T_step in seconds, [(segment label, share of the bar)])]; a bar's
-    shares add up to 1."""
-    out = []
+    """[(bar name, its T_step, [(segment label, seconds drawn: negative parts as 0)])]."""
     m = bd.mean
     rows = []
     if bd.budget is not None:
@@ -35,11 +33,9 @@ def bars(bd) -> list[tuple[str, float, list[tuple[str, float]]]]:
         else:
             measured.append((_LABELS[t][0], m.terms[t]))
     rows.append(("measured", measured))
-    for name, segs in rows:
-        segs = [(label, max(v, 0.0)) for label, v in segs]
-        total = sum(v for _, v in segs) or 1.0
-        out.append((name, total, [(label, v / total) for label, v in segs]))
-    return out
+    steps = ([bd.budget.step] if bd.budget is not None else []) + [m.t_step]
+    return [(name, t_step, [(label, max(v, 0.0)) for label, v in segs])
+            for (name, segs), t_step in zip(rows, steps)]
 
 
 def plot(bd, path) -> None:
@@ -52,16 +48,18 @@ def plot(bd, path) -> None:
     terms = ["T_ideal"] + [_LABELS[t][0] for t in TERMS]
     colors = dict(zip(terms, plt.get_cmap("tab10").colors))
     hatches = dict(zip(SPLIT_LABELS.values(), ("", "//", "..", "xx")))
-    for x, (name, total, segs) in enumerate(drawn):
+    for x, (name, _, segs) in enumerate(drawn):
+        total = sum(v for _, v in segs) or 1.0
         bottom = 0.0
-        for label, share in segs:
+        for label, seconds in segs:
+            share = seconds / total
             part = label.removeprefix("kernel eff.: ")
             color = colors[_LABELS["kernel_efficiency"][0] if part != label else label]
             left.bar(x, share * 100, bottom=bottom, color=color, width=0.6,
                      hatch=hatches.get(part, ""), edgecolor="white", linewidth=0.5,
                      label=label if label not in left.get_legend_handles_labels()[1] else None)
             if share >= 0.04:
-                left.text(x, bottom + share * 50, f"{share * total * 1e3:.3g} ms",
+                left.text(x, bottom + share * 50, f"{seconds * 1e3:.3g} ms",
                           ha="center", va="center", fontsize=7)
             bottom += share * 100
     left.set_xticks(range(len(drawn)), [f"{n}\nT_step {t * 1e3:.3g} ms" for n, t, _ in drawn])

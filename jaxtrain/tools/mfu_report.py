@@ -80,11 +80,15 @@ class Breakdown:
         n = len(self.steps)
         splits = [s.kernel_split for s in self.steps if s.kernel_split is not None]
         rc = [s.recompute_split for s in self.steps if s.recompute_split is not None]
-        late = {}
+        late, by_cause = {}, {}
         for s in self.steps:
             for peer, row in s.stragglers_on.items():
-                r = late.setdefault(peer, {"seconds": 0.0, "cause": row["cause"]})
-                r["seconds"] += row["seconds"] / n
+                late.setdefault(peer, {"seconds": 0.0, "cause": ""})["seconds"] += \
+                    row["seconds"] / n
+                causes = by_cause.setdefault(peer, {})
+                causes[row["cause"]] = causes.get(row["cause"], 0.0) + row["seconds"]
+        for peer, causes in by_cause.items():   # the cause of most of the waiting on it
+            late[peer]["cause"] = max(causes, key=causes.get)
         return StepTerms(step="mean", devices=self.steps[0].devices,
                          t_step=sum(s.t_step for s in self.steps) / n,
                          terms=_mean([s.terms for s in self.steps], n),

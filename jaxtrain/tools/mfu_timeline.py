@@ -101,6 +101,11 @@ class Timeline:
     def index(self) -> dict[str, int]:
         return self.ids.index
 
+    @property
+    def torch(self) -> bool:
+        """Kernels linked to host launches by correlation ids (torch.profiler's traces)."""
+        return any(o.key and o.key[0] == "corr" for v in self.devices.values() for o in v)
+
 
 def devices(trace: pt.Trace) -> Devices:
     """Each device of the trace and its index: its file's rank (distributedInfo, a rank<N> in
@@ -189,8 +194,7 @@ def _recompute_seen(ops: dict, host: dict, devices: dict) -> str:
     if ops:
         return "" if any(o.backward is not None for o in ops.values()) else (
             "the compiled HLO carries no op_name metadata")
-    torch_kernels = any(o.key and o.key[0] == "corr" for v in devices.values() for o in v)
-    if torch_kernels:
+    if any(o.key and o.key[0] == "corr" for v in devices.values() for o in v):   # torch
         return "" if any(h.markers for h in host.values()) else (
             "the trace has no autograd backward nodes (profile with CPU activity)")
     return "no compiled HLO (--hlo FILE; the trainer saves profile/.../train_step.hlo.txt)"
