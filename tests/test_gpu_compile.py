@@ -347,3 +347,20 @@ def test_cudnn_runs_the_all_gather_strategy(h100):
     text = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8))).text
     assert len(CUDNN_TARGET.findall(text)) == 2
     assert not gpu_program.pallas_kernel_names(text)
+
+
+@pytest.mark.parametrize("impl, family", [("pallas", "Pallas flash attention (jaxtrain)"),
+                                          ("cudnn", "cuDNN attention")])
+def test_the_mfu_breakdown_tells_attention_kernels_in_a_gpu_program(h100, impl, family):
+    """What the breakdown reads of an H100 program's HLO (jaxtrain.tools.profile_trace): the
+    attention custom calls are attention (their own line under kernel efficiency), not GEMMs,
+    and the GEMMs are known by their FLOPs."""
+    from jaxtrain.tools import kernel_classes, profile_trace
+    ops = profile_trace.hlo_ops(_compile(h100, f"--model.attention={impl}", n=1).text)
+    calls = [o for o in ops.values() if o.opcode == "custom-call" and o.kernel]
+    attention = {kernel_classes.classify(o.kernel).family for o in calls
+                 if kernel_classes.classify(o.kernel).cls == "attention"}
+    assert attention == {family}
+    assert not any(o.gemm_flops for o in calls
+                   if kernel_classes.classify(o.kernel).cls == "attention")
+    assert sum(o.gemm_flops > 0 for o in ops.values()) >= 4

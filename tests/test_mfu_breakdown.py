@@ -11,7 +11,7 @@ from jaxtrain.tools import mfu_breakdown as mb
 from jaxtrain.tools import profile_trace as pt
 from jaxtrain.ledger import estimate, layout_from_config
 from jaxtrain.ledger.flops import model_flops_per_token, tokens_per_step
-from util import tiny_config
+from util import check_breakdown_sums, tiny_config
 
 MS = 1000.0  # trace timestamps are µs
 STEP_MS = 55.0
@@ -20,14 +20,15 @@ IDEAL_S = 0.010
 # One step on the device, ms from the window start (the end of the previous step):
 #   [0, 2) idle, host in next_batch: data wait 2   [2, 3) idle: launch overhead 1
 #   [3, 13) forward GEMM (an all-gather hidden under it)   [13, 18) elementwise
-#   [18, 43) backward GEMM: recompute 25 - 2 x 10 = 5
+#   [18, 38) backward GEMM   [38, 43) a forward GEMM jax.checkpoint replays: recompute 5
 #   [43, 47) all-reduce alone: exposed 4   [47, 50) collective-permute alone: bubble 3
 #   [50, 52) all-reduce and collective-permute: exposed 2   [52, 55) elementwise, a permute under it
 PATTERN = [  # (hlo_op, torch kernel name, stream, start ms, end ms)
     ("fwd.1", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "compute", 3, 13),
     ("ag-start.1", "ncclDevKernel_AllGather_RING_LL(ncclDevComm*)", "comm", 5, 12),
     ("ew.1", "void at::native::vectorized_elementwise_kernel<4>", "compute", 13, 18),
-    ("bwd.1", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_nt_n_tilesize128x128x64", "compute", 18, 43),
+    ("bwd.1", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_nt_n_tilesize128x128x64", "compute", 18, 38),
+    ("rc.1", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "compute", 38, 43),
     ("ar.1", "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*)", "comm", 43, 47),
     ("cp.1", "ncclDevKernel_SendRecv(ncclDevComm*)", "p2p", 47, 52),
     ("ar.1", "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*)", "comm", 50, 52),
@@ -51,7 +52,8 @@ ENTRY %main (p0: f32[64,64], p1: f32[BIG]) -> f32[64,64] {
   %big = f32[BIG]{0} parameter(1)
   %fwd.1 = f32[64,64]{1,0} dot(%p0, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/jvp(loss)/dot_general"}
   %bwd.1 = f32[64,64]{1,0} dot(%fwd.1, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(loss))/dot_general"}
-  %ew.1 = f32[64,64]{1,0} add(%bwd.1, %p0), metadata={op_name="jit(train_step)/add"}
+  %rc.1 = f32[64,64]{1,0} dot(%p0, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(loss))/checkpoint/rematted_computation/dot_general"}
+  %ew.1 = f32[64,64]{1,0} add(%bwd.1, %rc.1), metadata={op_name="jit(train_step)/add"}
   %ag-start.1 = (f32[64,64]{1,0}, f32[128,64]{1,0}) all-gather-start(%p0), replica_groups={{0,1}}, dimensions={0}
   %ag-done.1 = f32[128,64]{1,0} all-gather-done(%ag-start.1)
   %ar.1 = f32[BIG]{0} all-reduce(%big), replica_groups={{0,1}}, to_apply=%add
@@ -125,13 +127,6 @@ def run(tmp_path, trace=None, files=None, **kw):
     return mb.breakdown(trace=files, cfg=kw.pop("cfg", cfg_with_ideal()), gpu="h100", **kw)
 
 
-def check_sums(bd):
-    for s in bd.steps:
-        for d, v in s.per_device.items():
-            assert bd.ideal + sum(v[t] for t in mb.TERMS) == pytest.approx(v["t_step"],
-                                                                           abs=1e-12), d
-
-
 def test_synthetic_jax_trace_gives_exactly_the_known_terms(tmp_path):
     bd = run(tmp_path)
     assert bd.assignment == "run_id" and [s.step for s in bd.steps] == [1, 2]
@@ -142,12 +137,22 @@ def test_synthetic_jax_trace_gives_exactly_the_known_terms(tmp_path):
         assert s.exposed_by_axis == pytest.approx({"data": 0.006}, abs=1e-12)
         assert s.kernel_split == pytest.approx({"gemm_below_peak": 0.035 - 0.010 - 0.005,
                                                 "non_gemm": 0.008}, abs=1e-12)
-    check_sums(bd)
+    check_breakdown_sums(bd)
     # GEMM efficiency by shape: 2·64·64·64 FLOPs per dot, over the dot's measured time.
     shapes = {g["shape"]: g for g in bd.gemms}
     g = shapes["f32[64,64] x f32[64,64]"]
-    assert g["count"] == 4 and g["time_s"] == pytest.approx(2 * 0.035)
-    assert g["tflops"] == pytest.approx(4 * 2 * 64 ** 3 / (2 * 0.035) / 1e12)
+    assert g["count"] == 6 and g["time_s"] == pytest.approx(2 * 0.035)
+    assert g["tflops"] == pytest.approx(6 * 2 * 64 ** 3 / (2 * 0.035) / 1e12)
+
+
+def test_a_slow_backward_gemm_is_not_recompute(tmp_path):
+    """The backward GEMM 10 ms longer (three times the forward): kernel efficiency, not
+    recompute, which stays the replayed GEMM's 5 ms."""
+    bd = run(tmp_path, trace=jax_trace(stretch=("bwd.1", 10.0)))
+    for s in bd.steps:
+        assert s.terms["recompute"] == pytest.approx(0.005, abs=1e-12)
+        assert s.terms["kernel_efficiency"] == pytest.approx(0.038, abs=1e-12)
+    check_breakdown_sums(bd)
 
 
 def test_budget_is_the_planners_estimate_and_points_add_up(tmp_path):
@@ -189,7 +194,7 @@ def test_multi_process_trace_gives_the_straggler_term(tmp_path):
         assert slow["stragglers"] == 0.0
         assert slow["kernel_efficiency"] == pytest.approx(0.028 + 0.005, abs=1e-12)
         assert s.terms["stragglers"] == pytest.approx(0.0025, abs=1e-12)
-    check_sums(bd)
+    check_breakdown_sums(bd)
 
 
 def test_a_collective_far_longer_than_its_bytes_allow_is_a_straggler(tmp_path):
@@ -199,7 +204,7 @@ def test_a_collective_far_longer_than_its_bytes_allow_is_a_straggler(tmp_path):
     s = bd.steps[0]
     assert s.terms["stragglers"] == pytest.approx((0.004 - want) + (0.002 - want), abs=1e-12)
     assert s.terms["exposed_comm"] == pytest.approx(2 * want, abs=1e-12)
-    check_sums(bd)
+    check_breakdown_sums(bd)
 
 
 def torch_trace(steps=3):
@@ -236,13 +241,17 @@ def test_torch_profiler_trace(tmp_path):
     assert [s.step for s in later] == [1, 2]
     for s in later:
         assert s.t_step == pytest.approx(STEP_MS / 1e3, abs=1e-12)
-        # no HLO: GEMMs by kernel name, no forward/backward, so recompute stays in kernels
-        assert s.terms == pytest.approx({**EXPECTED, "kernel_efficiency": 0.033,
-                                         "recompute": 0.0}, abs=1e-12)
-        assert s.exposed_by_axis == pytest.approx({"allreduce": 0.006}, abs=1e-12)
+        # no HLO and no autograd markers: recompute n/a, its time stays in kernel efficiency
+        assert s.terms["recompute"] is None
+        measured = {k: v for k, v in s.terms.items() if k != "recompute"}
+        want = {k: v for k, v in EXPECTED.items() if k != "recompute"}
+        assert measured == pytest.approx({**want, "kernel_efficiency": 0.033}, abs=1e-12)
+        assert s.exposed_by_axis == pytest.approx({"all-reduce": 0.006}, abs=1e-12)
         assert s.kernel_split["non_gemm"] == pytest.approx(0.008, abs=1e-12)
-    check_sums(bd)
-    assert any("no compiled HLO" in n for n in bd.notes)
+    check_breakdown_sums(bd)
+    assert any(n.startswith("recompute n/a: the trace has no autograd backward nodes") and
+               "folded" in n for n in bd.notes)
+    assert bd.budget.terms["recompute"] is None and "n/a" in bd.format()
 
 
 @pytest.mark.slow
@@ -260,7 +269,7 @@ def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
     saved = json.loads((tmp_path / "profile" / "mfu_breakdown.json").read_text())
     bd = mb.breakdown(tmp_path)
     assert [s.step for s in bd.steps] == [2, 3] and bd.steps[0].devices == 8
-    check_sums(bd)
+    check_breakdown_sums(bd)
     assert saved["mean"]["t_step_s"] == pytest.approx(bd.mean.t_step)
     # The only collectives are the data-parallel gradient reduction's, and the HLO says so.
     text = (files[0].parent / pt.HLO_FILE).read_text()
@@ -268,6 +277,10 @@ def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
     assert {o.axes for o in pt.hlo_ops(text, mesh).values() if o.comm} == {("data",)}
     assert set(bd.mean.exposed_by_axis) <= {"data"}
     assert bd.gemms and bd.mean.kernel_split is not None
+    # remat none: no GEMM is replayed in the backward (only the elementwise insides of the norms
+    # and SwiGLU, which llama._elementwise_recomputed recomputes by design)
+    assert bd.mean.recompute_split["gemm"] == 0.0
+    assert bd.mean.terms["recompute"] < 0.05 * bd.mean.t_step
     # the compiled step's matmul FLOPs all show up as GEMMs on each device, every step
     from jaxtrain.tools import hlo
     per_step = hlo.matmul_flops_from_text((files[0].parent / pt.HLO_FILE).read_text())
@@ -282,7 +295,7 @@ def test_real_cpu_profile_of_the_tiny_model(tmp_path, capsys):
 
 
 def bd_cfg(run_dir):
-    return mb._config_arg(str(run_dir / "config.json"))
+    return mb.mfu_job.config_arg(str(run_dir / "config.json"))
 
 
 # ----------------------------------------------------------------------------- bad input

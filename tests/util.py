@@ -9,7 +9,8 @@ from flax import nnx
 from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_overrides
 from jaxtrain.data import synthetic_batch as random_batch
 
-__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses"]
+__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses",
+           "check_breakdown_sums"]
 
 
 def tiny_config(*overrides, workdir="runs/test") -> Config:
@@ -43,3 +44,13 @@ def metric_records(workdir: pathlib.Path) -> list[dict]:
 def logged_losses(workdir: pathlib.Path) -> dict[int, float]:
     """step -> loss of every logged step of a run."""
     return {r["step"]: r["loss"] for r in metric_records(workdir) if "loss" in r}
+
+
+def check_breakdown_sums(bd):
+    """Every device's T_ideal + seven terms (a term not measured counts 0) is its T_step."""
+    import pytest
+    from jaxtrain.tools.mfu_report import TERMS
+    for s in bd.steps:
+        for d, v in s.per_device.items():
+            assert bd.ideal + sum(v[t] or 0.0 for t in TERMS) == pytest.approx(
+                v["t_step"], abs=1e-12), d

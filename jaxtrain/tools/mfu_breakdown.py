@@ -3,25 +3,33 @@
     python -m jaxtrain.mfu_breakdown RUN_DIR             # the profile train.profile_steps wrote
     python -m jaxtrain.mfu_breakdown --trace FILE [FILE ...] --config RECIPE [--hlo FILE]
 
-T_ideal = model FLOPs per device / peak (ledger.flops: causal attention counted as half). The
-rest of each device's step window (jaxtrain.tools.mfu_timeline) is cut by the shape each loss has on
-its timeline:
+T_ideal = model FLOPs per device / peak (ledger.flops: causal attention counted as half), over
+the whole job's devices (jaxtrain.tools.mfu_job), however many of them the trace shows. The
+rest of each device's step window (jaxtrain.tools.mfu_timeline) is cut by the shape each loss
+has on its timeline (jaxtrain.tools.mfu_sweep):
 
-- kernel efficiency: compute time above T_ideal, less recompute (split into GEMMs below peak
-  and non-GEMM kernels where GEMMs are known: the compiled HLO, or kernel names);
-- recompute: backward GEMM time above twice the forward GEMM time (needs the HLO's op_name:
-  JAX puts backward ops under transpose(...));
-- pipeline bubble: compute idle while only send/recv (collective-permute) runs;
-- exposed communication: compute idle while a collective runs, shared among the collectives
-  running, by mesh axis (the HLO's replica groups) or else by kind;
-- data wait: compute idle, no communication, the host inside the input pipeline (jaxtrain's
-  `next_batch` annotation, torch's DataLoader);
+- kernel efficiency: compute time above T_ideal, less recompute, split into GEMMs below peak
+  (GEMM time - T_ideal's GEMM part), attention below peak (fused attention kernels - T_ideal's
+  attention part, where such kernels ran), non-GEMM kernels and memory copies;
+- recompute: the time of forward work replayed in the backward: ops jax.checkpoint puts under
+  `rematted_computation` (the compiled HLO's op_name), or kernels torch.utils.checkpoint's
+  replay launched (jaxtrain.tools.torch_ops). Work is told by what it is, never by how long it
+  ran, so a slow backward GEMM is kernel efficiency. Where the trace cannot tell (no HLO, no
+  autograd markers) recompute is "n/a", its time stays in kernel efficiency and its budget is
+  folded into kernel efficiency's;
+- pipeline bubble: compute idle while only send/recv (collective-permute, NCCL SendRecv of a
+  pipeline) runs;
+- exposed communication: compute idle while a collective runs after its last peer arrived,
+  shared among the collectives running, by mesh axis (the HLO's replica groups, or torch's
+  process groups' ranks on the config's mesh; an all-to-all of expert parallelism on `expert`);
+- data wait: compute idle, the batch's host-to-device copy running or the host inside the input
+  pipeline (jaxtrain's `next_batch`, torch's DataLoader);
 - host launch overhead: compute idle otherwise;
-- stragglers: exposed collective time spent waiting for a peer: the slowest peer's compute
-  time minus this device's (peers: devices of the same pipeline stage), or, when a collective
-  ran more than STRAGGLER_FACTOR x the ledger's time for it (latency + bytes / link
-  bandwidth; not with CPU's guessed figures), its exposed time beyond that; taken out of
-  exposed communication.
+- stragglers: compute idle while a collective waits for its last peer to arrive
+  (jaxtrain.tools.mfu_peers), whatever made the peer late; attributed to that peer and to the
+  term in which it spent more than the waiting device. A collective none of whose peers is in
+  the trace that ran more than STRAGGLER_FACTOR x the ledger's time for it (latency + bytes /
+  link bandwidth; not with CPU's guessed figures) counts its exposed time beyond that.
 
 Each device's terms and T_ideal add up to its T_step exactly; a step reports their mean over
 devices. Kernel efficiency is negative when a chip beats its table peak (CPU's is a guess).
@@ -40,65 +48,122 @@ import pathlib
 import sys
 from collections import defaultdict
 
-from jaxtrain.tools import mfu_timeline as mt
-from jaxtrain.tools import profile_trace as pt
-from jaxtrain.config import Config, ConfigError, from_dict, load_config
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger import (Assumptions, comm, estimate, get_gpu, gpu_for_device_kind,
                              layout_from_config)
-from jaxtrain.ledger.flops import model_flops_per_token, tokens_per_step
-from jaxtrain.ledger.layout import AXES_FAST_TO_SLOW, resolve_degrees
+from jaxtrain.ledger.flops import (attention_flops_per_token, model_flops_per_token,
+                                   tokens_per_step)
+from jaxtrain.tools import kernel_classes as kc
+from jaxtrain.tools import mfu_axes, mfu_job, mfu_peers
+from jaxtrain.tools import mfu_timeline as mt
+from jaxtrain.tools import profile_trace as pt
+from jaxtrain.tools.mfu_job import BreakdownError
 from jaxtrain.tools.mfu_report import TERMS, Breakdown, Budget, StepTerms
+from jaxtrain.tools.mfu_sweep import measure
 
 STRAGGLER_FACTOR = 3.0
-MESH_ORDER = tuple(reversed(AXES_FAST_TO_SLOW))   # stage, data, fsdp, context, tensor
+MESH_ORDER = mfu_axes.MESH_ORDER
 DATA_SPAN = mt.DATA_SPAN
+# where a late peer's time went, as compared with the device that waited for it
+_CAUSES = ("kernel_efficiency", "recompute", "data_wait", "launch_overhead", "bubble",
+           "exposed_comm")
+
+__all__ = ["BreakdownError", "TERMS", "breakdown", "after_profile", "main", "step_terms"]
 
 
-class BreakdownError(ConfigError):
-    """Input the breakdown cannot use; one line that says what to do."""
+@dataclasses.dataclass(frozen=True)
+class Ideal:
+    total: float        # T_ideal, seconds
+    attention: float    # its causal-attention part (QK^T and PV)
 
 
-def step_terms(step, windows: dict, tl: mt.Timeline, ideal: float, stage: int = 1,
+def step_terms(step, windows: dict, tl: mt.Timeline, ideal: Ideal, degrees: dict | None,
                expected_s=None) -> StepTerms:
     """The seven terms of one step, averaged over its devices (each device's sum is exact)."""
-    measured = {d: mt.measure(ops, tl.data.get(tl.source[d], []), s, e)
+    peers = mfu_peers.match(windows, tl, degrees)
+    measured = {d: measure(ops, tl.data.get(tl.source[d], []), s, e, peers.arrivals[d])
                 for d, (s, e, ops) in windows.items()}
-    n_total = max(len(tl.devices), 1)
-    per_stage = max(n_total // max(stage, 1), 1)
-    peers = defaultdict(list)
-    for d in measured:
-        peers[tl.index[d] // per_stage].append(d)
-    slowest = {d: max(measured[p].busy for p in g) for g in peers.values() for d in g}
-    per_device, by_axis, split = {}, defaultdict(float), defaultdict(float)
-    any_gemm = any(o.gemm for _, _, ops in windows.values() for o in ops)
-    directed = any(o.gemm and o.backward is not None for _, _, ops in windows.values()
-                   for o in ops)
+    n = len(measured)
+    seen = {o.cls for _, _, ops in windows.values() for o in ops}
+    classes = ("gemm", "attention", "non_gemm") if "attention" in seen else ("gemm", "non_gemm")
+    copies = any(m.by_class["memcpy"] for m in measured.values())
+    measured_rc = not tl.recompute_seen
+    per_device, by_axis, waits = {}, defaultdict(float), []
+    split, rc_split = defaultdict(float), defaultdict(float)
     for d, m in measured.items():
-        exposed = sum(m.exposed.values())
-        by_bytes = 0.0
-        if expected_s is not None:
-            for op, x in m.exposed.items():
-                want = expected_s(op)
-                dur = (op.end - op.start) * 1e-6
-                if want and dur > STRAGGLER_FACTOR * want:
-                    by_bytes += min(x, dur - want)
-        straggler = min(exposed, max(slowest[d] - m.busy, by_bytes))
-        recompute = max(0.0, m.backward - 2 * m.forward) if directed else 0.0
-        terms = {"kernel_efficiency": m.busy - ideal - recompute, "recompute": recompute,
-                 "bubble": m.bubble, "exposed_comm": exposed - straggler,
-                 "data_wait": m.data_wait, "launch_overhead": m.launch_overhead,
-                 "stragglers": straggler}
-        keep = (exposed - straggler) / exposed if exposed else 0.0
+        beyond = _beyond_bytes(m, peers.alone[d], expected_s)
+        rc = m.recompute_by_class if measured_rc else dict.fromkeys(m.recompute_by_class, 0.0)
+        per_device[d] = {"t_step": m.t_step, "busy": m.busy,
+                         "kernel_efficiency": m.busy - ideal.total - sum(rc.values()),
+                         "recompute": m.recompute if measured_rc else None,
+                         "bubble": m.bubble,
+                         "exposed_comm": sum(m.exposed.values()) - sum(beyond.values()),
+                         "data_wait": m.data_wait, "launch_overhead": m.launch_overhead,
+                         "stragglers": sum(m.waiting.values()) + sum(beyond.values())}
         for op, x in m.exposed.items():
-            by_axis[op.label or "?"] += x * keep / len(measured)
-        split["gemm_below_peak"] += (m.gemm - ideal - recompute) / len(measured)
-        split["non_gemm"] += (m.busy - m.gemm) / len(measured)
-        per_device[d] = {"t_step": m.t_step, "busy": m.busy, **terms}
-    mean = {k: sum(v[k] for v in per_device.values()) / len(per_device) for k in TERMS}
-    return StepTerms(step=step, devices=len(per_device),
-                     t_step=sum(v["t_step"] for v in per_device.values()) / len(per_device),
+            by_axis[op.label or "?"] += (x - beyond.get(op, 0.0)) / n
+        for k, v in _kernel_split(m, ideal, rc, classes, copies).items():
+            split[k] += v / n
+        for c in classes:
+            rc_split[c] += rc[c] / n
+        waits += [(d, peers.late[d][op], x) for op, x in m.waiting.items()]
+    mean = {t: None if t == "recompute" and not measured_rc else
+            sum(v[t] for v in per_device.values()) / n for t in TERMS}
+    return StepTerms(step=step, devices=n,
+                     t_step=sum(v["t_step"] for v in per_device.values()) / n,
                      terms=mean, exposed_by_axis=dict(by_axis),
-                     kernel_split=dict(split) if any_gemm else None, per_device=per_device)
+                     kernel_split=dict(split) if "gemm" in seen else None,
+                     per_device=per_device, stragglers_on=_late_peers(waits, per_device, tl, n),
+                     recompute_split=dict(rc_split) if measured_rc else None)
+
+
+def _kernel_split(m, ideal: Ideal, rc: dict, classes: tuple, copies: bool) -> dict:
+    """Kernel efficiency's parts on one device: each class's time less its share of T_ideal
+    (attention's own where fused attention kernels ran) and its recompute; memory copies."""
+    attn = ideal.attention if "attention" in classes else 0.0
+    out = {"gemm_below_peak": m.by_class["gemm"] - (ideal.total - attn) - rc["gemm"]}
+    if "attention" in classes:
+        out["attention_below_peak"] = m.by_class["attention"] - attn - rc["attention"]
+    out["non_gemm"] = m.by_class["non_gemm"] - rc["non_gemm"]
+    if copies:
+        out["memcpy"] = m.by_class["memcpy"]
+    return out
+
+
+def _beyond_bytes(m, alone: list, expected_s) -> dict:
+    """Op -> exposed seconds beyond STRAGGLER_FACTOR x its ledger time, for collectives none
+    of whose peers is in the trace."""
+    out = {}
+    for op in alone if expected_s is not None else ():
+        want, x = expected_s(op), m.exposed.get(op, 0.0)
+        dur = (op.end - op.start) * 1e-6
+        if want and x and dur > STRAGGLER_FACTOR * want:
+            out[op] = min(x, dur - want)
+    return out
+
+
+def _late_peers(waits, per_device: dict, tl: mt.Timeline, n: int) -> dict:
+    """{peer: {"seconds": the mean wait on it, "cause": the term it spent more time in}}."""
+    out = {}
+    for d, peer, x in waits:
+        name = _device_name(peer, tl)
+        row = out.setdefault(name, {"seconds": 0.0, "cause": "", "_by": defaultdict(float)})
+        row["seconds"] += x / n
+        diff = {t: (per_device[peer][t] or 0.0) - (per_device[d][t] or 0.0) for t in _CAUSES
+                if peer in per_device}
+        best = max(diff, key=diff.get, default=None)
+        row["_by"][best if best and diff[best] > 0 else "not visible"] += x
+    for row in out.values():
+        by = row.pop("_by")
+        row["cause"] = max(by, key=by.get)
+    return out
+
+
+def _device_name(dev: str, tl: mt.Timeline) -> str:
+    local = dev.split("/", 1)[-1].lstrip("/")
+    if len(tl.ids.ranks) > 1 or tl.ids.world_size:
+        return f"device {tl.index[dev]} (rank {tl.ids.ranks[tl.source[dev]]}, {local})"
+    return f"device {tl.index[dev]} ({local})"
 
 
 def gemm_shapes(windows_by_step: dict, peak: float) -> list[dict]:
@@ -124,62 +189,70 @@ def gemm_shapes(windows_by_step: dict, peak: float) -> list[dict]:
     return sorted(out, key=lambda r: -r["time_s"])
 
 
+def kernel_families(windows_by_step: dict) -> dict:
+    """What each kernel family matched in the complete steps' windows (kernel_classes)."""
+    fam = kc.Families()
+    for windows in windows_by_step.values():
+        for s, e, ops in windows.values():
+            for o in ops:
+                if s <= o.start < e:
+                    fam.add(kc.Kind(o.cls, o.family or "other kernels"), o.name,
+                            (o.end - o.start) * 1e-6)
+    return fam.table()
+
+
 # ----------------------------------------------------------------------------- the budget
 
 _AXIS_OF = {"dp_comm": "data", "fsdp_comm": "fsdp", "tp_comm": "tensor", "pp_comm": "stage",
             "cp_comm": "context"}
 
 
-def ledger_budget(cfg: Config, n_devices: int, gpu) -> Budget:
-    """Each term's budget from the planner's own estimate (ledger.estimate) of this layout."""
+def ledger_budget(cfg: Config, n_devices: int, gpu, fold_recompute: bool = False) -> Budget:
+    """Each term's budget from the planner's own estimate (ledger.estimate) of this layout;
+    fold_recompute: recompute is not measured, its budget joins kernel efficiency's."""
     layout = layout_from_config(cfg, n_devices)
     est = estimate(cfg, layout, gpu)
     loss = est.losses
     pair = lambda f: tuple(f(i) for i in (0, 1))  # noqa: E731
     comm_keys = [k for k in loss if k.endswith("_comm")]
-    terms = {"kernel_efficiency": pair(lambda i: loss["compute"][i] - est.ideal_step_s),
-             "recompute": loss["recompute"], "bubble": loss["bubble"],
+    fold = loss["recompute"] if fold_recompute else (0.0, 0.0)
+    terms = {"kernel_efficiency": pair(lambda i: loss["compute"][i] - est.ideal_step_s
+                                       + fold[i]),
+             "recompute": None if fold_recompute else loss["recompute"],
+             "bubble": loss["bubble"],
              "exposed_comm": pair(lambda i: sum(loss[k][i] for k in comm_keys)),
              "data_wait": (0.0, 0.0), "launch_overhead": loss["overhead"],
              "stragglers": (0.0, 0.0)}
     by_axis = {_AXIS_OF[k]: loss[k] for k in comm_keys if any(loss[k])}
     return Budget(gpu=est.gpu.name + (" (figures an estimate)" if est.gpu.estimate else ""),
                   layout=layout.short(), ideal=est.ideal_step_s, terms=terms, by_axis=by_axis,
-                  expected_mfu=est.expected_mfu)
+                  expected_mfu=est.expected_mfu, folded=sum(loss["recompute"]) / 2
+                  if fold_recompute else None)
 
-
-# ----------------------------------------------------------------------------- the breakdown
 
 # ----------------------------------------------------------------------------- entry points
 
 def breakdown(run_dir=None, *, trace=None, cfg: Config | None = None, hlo_text: str | None = None,
               gpu: str | None = None, n_devices: int | None = None) -> Breakdown:
-    """The breakdown of a run directory's newest profile, or of trace files (several: several
-    hosts) with the config they ran. The GPU suite calls `breakdown(run_dir).format()`."""
-    title, files, cfg, run_info, logged, hlo_text = _inputs(run_dir, trace, cfg, hlo_text)
+    """The breakdown of a run directory's newest profile, or of trace files (one per rank or
+    host) with the config they ran. The GPU suite calls `breakdown(run_dir).format()`."""
+    title, files, cfg, run_info, logged, hlo_text = mfu_job.inputs(run_dir, trace, cfg, hlo_text)
     data = pt.load(files)
     notes = []
-    n_devices = n_devices or run_info.get("n_devices")
-    if not n_devices:
-        n_devices = len(mt.timeline(data).devices)
-        notes.append(f"{n_devices} devices, those in the trace (--devices: the whole job's)")
-    mesh, ops, module = None, {}, ""
-    if hlo_text:
-        module = pt.hlo_module_name(hlo_text)
-        try:
-            degrees = resolve_degrees(cfg, n_devices)
-            mesh = {a: degrees[a] for a in MESH_ORDER}
-        except ConfigError:
-            notes.append(f"the config's layout does not fit {n_devices} devices: collectives "
-                         "by kind, not mesh axis")
-        ops = pt.hlo_ops(hlo_text, mesh)
-    else:
-        notes.append("no compiled HLO (the trainer saves profile/.../train_step.hlo.txt; "
-                     "--hlo FILE): GEMMs found by kernel name, recompute and mesh axes unknown")
-    tl = mt.timeline(data, ops, module)
-    if not tl.devices:
+    ids = mt.devices(data)
+    if not ids.index:
         raise BreakdownError(f"{title}: no device activity in the trace (no /device:GPU "
                              "process, torch kernel or XLA op)")
+    n_devices = mfu_job.device_count(cfg, ids, given=n_devices, run_info=run_info, notes=notes)
+    degrees = mfu_job.mesh_degrees(cfg, n_devices)
+    ops, module = {}, ""
+    if hlo_text:
+        module = pt.hlo_module_name(hlo_text)
+        ops = pt.hlo_ops(hlo_text, degrees)
+    tl = mt.timeline(data, ids, ops, module, degrees, mfu_axes.expert_degree(cfg))
+    if not hlo_text and not tl.torch:
+        notes.append("no compiled HLO (the trainer saves profile/.../train_step.hlo.txt; "
+                     "--hlo FILE): GEMMs found by kernel name, collectives by kind")
     windows, how = mt.step_windows(tl)
     if not windows:
         n_marks = sum(len(v) for v in tl.markers.values())
@@ -189,51 +262,32 @@ def breakdown(run_dir=None, *, trace=None, cfg: Config | None = None, hlo_text: 
             "in the trace: profile at least 2 steps (--train.profile_steps=2)")
     gpu_ = _gpu(gpu, run_info, tl, cfg, notes)
     peak = gpu_.peak_flops(cfg.model.compute_dtype)
-    ideal = model_flops_per_token(cfg) * tokens_per_step(cfg) / (n_devices * peak)
+    per_device = tokens_per_step(cfg) / (n_devices * peak)
+    ideal = Ideal(model_flops_per_token(cfg) * per_device,
+                  attention_flops_per_token(cfg.model, cfg.train.seq_len) * per_device)
     try:
-        budget = ledger_budget(cfg, n_devices, gpu_)
+        budget = ledger_budget(cfg, n_devices, gpu_, fold_recompute=bool(tl.recompute_seen))
     except ConfigError as err:
         budget = None
         notes.append(f"no ledger budget: {err}")
+    if tl.recompute_seen:
+        notes.append(f"recompute n/a: {tl.recompute_seen}; its time stays in kernel "
+                     "efficiency" + (f", its budget ({budget.folded * 1e3:.2f} ms) is folded "
+                                     "into kernel efficiency's" if budget else ""))
     expected = _expected_seconds(cfg, n_devices, gpu_) if not gpu_.estimate else None
-    steps = [step_terms(k, windows[k], tl, ideal, mesh["stage"] if mesh else 1, expected)
+    steps = [step_terms(k, windows[k], tl, ideal, degrees, expected)
              for k in sorted(windows, key=lambda k: (str(type(k)), k))]
-    if ops and not any(o.gemm and o.backward is not None for v in tl.devices.values()
-                       for o in v):
-        notes.append("no GEMM carries forward/backward in its HLO op_name: recompute not "
-                     "measured (it stays in kernel efficiency)")
+    if len(ids.index) < n_devices:
+        notes.append(f"the trace shows {len(ids.index)} of the job's {n_devices} devices: "
+                     "terms are their mean, stragglers among the peers present")
     if any(s.terms["kernel_efficiency"] < 0 for s in steps):
         notes.append(f"kernel efficiency < 0: the device ran faster than {gpu_.name}'s table "
                      "peak" + (" (an estimate)" if gpu_.estimate else "") + "; set "
                      "train.peak_tflops or --gpu")
     return Breakdown(title=title, files=files, assignment=how, gpu=gpu_.name, peak=peak,
-                     ideal=ideal, steps=steps, budget=budget,
-                     gemms=gemm_shapes(windows, peak), notes=notes, logged=logged)
-
-
-def _inputs(run_dir, trace, cfg, hlo_text):
-    """(title, files, config, run.json, logged step times, HLO text) of a run or of traces."""
-    if run_dir is None:
-        files = [pathlib.Path(f) for f in trace or ()]
-        if cfg is None:
-            raise BreakdownError("--trace needs --config: the recipe (configs/X.py) or a run's "
-                                 "config.json that the trace ran (model FLOPs for T_ideal, the "
-                                 "layout for the ledger's budget)")
-        return ", ".join(f.name for f in files), files, cfg, {}, {}, hlo_text
-    run_dir = pathlib.Path(run_dir)
-    if not run_dir.is_dir():
-        raise BreakdownError(f"{run_dir}: no such run directory (train.workdir)")
-    files = pt.session_files(run_dir)
-    if not files:
-        raise BreakdownError(
-            f"{run_dir} has no profile (no profile/**/*.xplane.pb or *.trace.json.gz); "
-            "train with --train.profile_steps=N --train.profile_start=S")
-    hlo_file = files[0].parent / pt.HLO_FILE
-    if hlo_text is None and hlo_file.is_file():
-        hlo_text = hlo_file.read_text()
-    return (str(run_dir), files, cfg or _run_config(run_dir),
-            _read_json(run_dir / "run.json") or {},
-            _logged_step_times(run_dir / "metrics.jsonl"), hlo_text)
+                     ideal=ideal.total, steps=steps, budget=budget,
+                     gemms=gemm_shapes(windows, peak), notes=notes, logged=logged,
+                     kernels=kernel_families(windows))
 
 
 def after_profile(workdir, lowered, log=print) -> Breakdown | None:
@@ -287,54 +341,18 @@ def _expected_seconds(cfg, n_devices, gpu):
     return expected
 
 
-def _read_json(path: pathlib.Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _run_config(run_dir: pathlib.Path) -> Config:
-    d = _read_json(run_dir / "config.json")
-    if d is None:
-        raise BreakdownError(f"{run_dir}/config.json is missing or unreadable; pass --trace "
-                             "with --config RECIPE instead")
-    return from_dict(d)
-
-
-def _config_arg(path: str) -> Config:
-    if path.endswith(".json"):
-        d = _read_json(pathlib.Path(path))
-        if d is None:
-            raise BreakdownError(f"--config {path}: not a readable config.json")
-        return from_dict(d)
-    return load_config(path)
-
-
-def _logged_step_times(path: pathlib.Path) -> dict:
-    out = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "step_time_s" in r:
-                out[int(r["step"])] = float(r["step_time_s"])
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxtrain.mfu_breakdown",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", nargs="?", help="a run directory (train.workdir) with a profile")
     ap.add_argument("--trace", nargs="+", metavar="FILE",
                     help="trace files instead: .xplane.pb, .trace.json.gz, Chrome/Perfetto JSON "
-                         "(jax, torch.profiler); one per host")
+                         "(jax, torch.profiler); one per rank or host")
     ap.add_argument("--config", help="with --trace: the recipe or config.json the trace ran")
     ap.add_argument("--hlo", help="with --trace: the compiled step's HLO text")
     ap.add_argument("--gpu", help="h100, h200, a100, cpu (default: the run's device)")
-    ap.add_argument("--devices", type=int, help="devices of the run (default: the run's)")
+    ap.add_argument("--devices", type=int, help="devices of the job (default: the run's, the "
+                                                "trace's world size or the config's layout)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--out", help="folder for mfu_breakdown.json and .png (default: "
                                   "RUN_DIR/profile; none with --trace)")
@@ -349,7 +367,7 @@ def main(argv=None) -> int:
             except OSError as err:
                 raise BreakdownError(f"--hlo {args.hlo}: {err.strerror}") from None
         result = breakdown(args.run_dir, trace=args.trace,
-                           cfg=_config_arg(args.config) if args.config else None,
+                           cfg=mfu_job.config_arg(args.config) if args.config else None,
                            hlo_text=hlo_text, gpu=args.gpu, n_devices=args.devices)
     except ConfigError as err:
         print(f"mfu_breakdown: error: {err}", file=sys.stderr)

@@ -9,9 +9,14 @@ Formats (one file per profiled process; several files are several hosts):
 Complete events ("ph": "X") and begin/end pairs ("B"/"E") become spans; process and thread
 names come from the metadata events ("M"); timestamps are microseconds, the format's unit.
 
+Each file's top-level fields other than the events (torch's `distributedInfo` with the rank and
+its process groups, `host_name`, `record_shapes`) are kept per file in `Trace.info`.
+
 `hlo_ops` reads the compiled step's HLO text (what the trainer saves next to its profile):
 which trace op names are GEMMs (their FLOPs and shapes), forward or backward (a JAX op_name
-under `transpose(...)` is backward), collectives and the mesh axes they span.
+under `transpose(...)` is backward), forward work replayed in the backward (jax.checkpoint's
+`rematted_computation` in the op_name), collectives and the mesh axes they span. A fusion
+without metadata of its own takes its fused computation's root's.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ class Span:
 class Trace:
     files: list[pathlib.Path]
     spans: list[Span]
+    info: list[dict] = dataclasses.field(default_factory=list)   # per file: top-level fields
 
 
 def session_files(path: pathlib.Path) -> list[pathlib.Path]:
@@ -86,19 +92,23 @@ def session_files(path: pathlib.Path) -> list[pathlib.Path]:
 def load(files) -> Trace:
     files = [pathlib.Path(f) for f in files]
     spans: list[Span] = []
+    info: list[dict] = []
     for i, f in enumerate(files):
         if not f.is_file():
             raise TraceError(f"{f}: no such trace file")
         if f.name.endswith(".xplane.pb"):
-            events = _xplane_events(f)
+            data = _xplane_json(f)
         elif f.name.endswith((".json", ".json.gz")):
-            events = _json_events(f)
+            data = _json_data(f)
         else:
             raise TraceError(f"{f}: unknown trace format; pass a JAX .xplane.pb, its "
                              ".trace.json.gz, or a Chrome/Perfetto trace JSON (.json[.gz]); a "
                              "binary Perfetto protobuf must be exported to JSON first")
+        events = data.get("traceEvents") if isinstance(data, dict) else data
         spans += chrome_spans(events, i, f)
-    return Trace(files, spans)
+        info.append({k: v for k, v in data.items() if k != "traceEvents"}
+                    if isinstance(data, dict) else {})
+    return Trace(files, spans, info)
 
 
 def chrome_spans(events, source: int, origin="trace") -> list[Span]:
@@ -135,14 +145,13 @@ def chrome_spans(events, source: int, origin="trace") -> list[Span]:
     return out
 
 
-def _json_events(path: pathlib.Path):
+def _json_data(path: pathlib.Path):
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as fh:
-            data = json.load(fh)
+            return json.load(fh)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise TraceError(f"{path}: not a Chrome/Perfetto trace JSON ({err})") from None
-    return data.get("traceEvents") if isinstance(data, dict) else data
 
 
 def _have_xprof() -> bool:
@@ -153,7 +162,7 @@ def _have_xprof() -> bool:
     return True
 
 
-def _xplane_events(path: pathlib.Path):
+def _xplane_json(path: pathlib.Path):
     try:
         from xprof.convert import raw_to_tool_data
     except ImportError:
@@ -164,7 +173,7 @@ def _xplane_events(path: pathlib.Path):
         data, _ = raw_to_tool_data.xspace_to_tool_data([str(path)], "trace_viewer", {})
     if not data:
         raise TraceError(f"{path}: xprof could not convert it ({log.read().strip()[-300:]})")
-    return json.loads(data).get("traceEvents")
+    return json.loads(data)
 
 
 @contextlib.contextmanager
@@ -189,6 +198,8 @@ class HloOp:
     gemm_flops: float = 0.0        # matmul FLOPs of one execution (fusions: their dots)
     gemm_shape: str = ""           # "f32[2048,128] x f32[128,384]" of its largest dot
     backward: bool | None = None   # under transpose(...) in op_name; None: no op_name
+    recompute: bool = False        # forward work jax.checkpoint replays in the backward
+    kernel: str = ""               # a custom call's kernel: its Pallas name or its target
     comm: str = ""                 # "" or a collective kind ("all-reduce", ..., "p2p")
     axes: tuple | None = None      # mesh axes of a collective; None unknown
     wire_bytes: float = 0.0        # what one device sends per execution (hlo.py convention)
@@ -198,8 +209,11 @@ class HloOp:
 _OP_NAME_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^{}]*op_name="([^"]*)"',
                          re.M)
 _LAYOUT_RE = re.compile(r"\{[\d,]*\}")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+_KERNEL_NAME_RE = re.compile(r'\bname\s*=\s*\\?"([\w.\-]+)\\?"|"name":\s*"([\w.\-]+)"')
 _P2P = ("collective-permute", "send", "recv")
 CONTAINERS = ("while", "conditional", "call", "async-start", "async-done")
+REMAT_SCOPE = "rematted_computation"   # jax.checkpoint's name scope for the replayed forward
 
 
 def hlo_module_name(text: str) -> str:
@@ -229,14 +243,33 @@ def hlo_ops(text: str, mesh_shape: dict | None = None) -> dict[str, HloOp]:
             if coll is None and comm and instr.opcode.endswith("-done") and instr.operands:
                 coll = by_op.get(instr.operands[0])
             flops, shape = _gemm(instr, comp, comps)
-            op_name = op_names.get(instr.name)
+            op_name = op_names.get(instr.name) or _root_op_name(instr, comps, op_names)
             out[instr.name] = HloOp(
                 opcode=instr.opcode, gemm_flops=flops, gemm_shape=shape,
-                backward=None if not op_name else "transpose(" in op_name, comm=comm,
-                axes=coll.axes if coll is not None else None,
+                backward=None if not op_name else "transpose(" in op_name,
+                recompute=bool(op_name) and REMAT_SCOPE in op_name, kernel=_kernel(instr),
+                comm=comm, axes=coll.axes if coll is not None else None,
                 wire_bytes=coll.wire_bytes if coll is not None else 0.0,
                 executions=reach[comp.name].count)
     return out
+
+
+def _root_op_name(instr, comps, op_names) -> str:
+    """A fusion's op_name when its own line has none: its fused computation's root's."""
+    if instr.opcode != "fusion":
+        return ""
+    for name, _, _ in hlo_module.callees(instr):
+        if name in comps and comps[name].instrs:
+            return op_names.get(comps[name].instrs[-1].name, "")
+    return ""
+
+
+def _kernel(instr) -> str:
+    if instr.opcode != "custom-call":
+        return ""
+    named = _KERNEL_NAME_RE.search(instr.attrs)
+    target = _TARGET_RE.search(instr.attrs)
+    return (named.group(1) or named.group(2)) if named else target.group(1) if target else ""
 
 
 def _gemm(instr, comp, comps, depth: int = 0) -> tuple[float, str]:
