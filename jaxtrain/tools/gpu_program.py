@@ -226,6 +226,39 @@ def kernels(dump_dir: str | pathlib.Path, names: set[str]) -> list[Kernel]:
     return out
 
 
+# A Mosaic kernel's launch in its pass log: `gpu.launch ... blocks(...) in (%a = %c132, ...)
+# threads(...) in (%b = %c128, ...) dynamic_shared_memory_size %c131104_i32`.
+_MOSAIC_LAUNCH_RE = re.compile(r"blocks\([^)]*\) in \(%\w+ = %c(\d+), %\w+ = %c(\d+), %\w+ = "
+                               r"%c(\d+)\) threads\([^)]*\) in \(%\w+ = %c(\d+).*"
+                               r"dynamic_shared_memory_size %c(\d+)_i32")
+
+
+def mosaic_kernels(dump_dir: str | pathlib.Path) -> list[Kernel]:
+    """Resources of the Mosaic GPU kernels compiled under `compat.mosaic_gpu_dump(dump_dir)`:
+    registers and spills from the ptxas report Mosaic writes per kernel, the launch (grid,
+    threads, dynamic shared memory) from its pass log."""
+    out = []
+    for report in sorted(pathlib.Path(dump_dir).glob("*.ptxas")):
+        info = report.read_text()
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+        launch = None
+        with open(report.with_suffix(".mlir-passes.log"), errors="replace") as log:
+            for line in log:   # the log is large; the launch appears early
+                launch = _MOSAIC_LAUNCH_RE.search(line)
+                if launch:
+                    break
+        if launch is None:
+            raise FileNotFoundError(f"{report.with_suffix('.mlir-passes.log')} holds no kernel "
+                                    "launch: compile under compat.mosaic_gpu_dump(folder)")
+        grid, threads, smem = launch.groups()[:3], launch.group(4), launch.group(5)
+        out.append(Kernel(report.stem, tuple(map(int, grid)), (int(threads),), int(smem),
+                          int(regs.group(1)) if regs else None,
+                          int(spill.group(1)) if spill else None,
+                          int(spill.group(2)) if spill else None))
+    return out
+
+
 # ----------------------------------------------------------------------------- the report
 
 @dataclasses.dataclass
