@@ -12,7 +12,8 @@ folder (`compiler_options={"xla_dump_to": DIR}`):
   synchronous one, is exposed whatever the hardware does).
 - `kernels`: each Pallas (Triton custom-call) kernel's grid, threads and shared memory from
   the thunk sequence, and its registers and spills from ptxas (the nvidia-cuda-nvcc wheel
-  that jax[cuda12] installs) run on the kernel's PTX for sm_90a.
+  that jax[cuda12] installs) run on the kernel's PTX for sm_90a; `mosaic_kernels`: the same
+  for Mosaic GPU kernels, from what their compiler writes under compat.mosaic_gpu_dump.
 """
 from __future__ import annotations
 
@@ -276,6 +277,8 @@ class GpuReport:
              xla_options: dict | None = None, collectives=None):
         names = pallas_kernel_names(text)
         ks = kernels(dump_dir, names) if names and dump_dir is not None else []
+        if dump_dir is not None:   # compiled under compat.mosaic_gpu_dump(dump_dir)
+            ks += mosaic_kernels(dump_dir)
         return cls(gemm_summary(gemms(text)), async_collectives(text, mesh, collectives), ks,
                    device_memory, total_bytes, dict(xla_options or {}))
 
@@ -310,7 +313,7 @@ class GpuReport:
             out.append(f"    {label:14} {hidden / 1e9:10.3f} of {all_ / 1e9:10.3f} GB  "
                        f"{hidden / all_ if all_ else 0:6.1%}")
         if self.kernels:
-            out.append("  Pallas kernels        grid              threads  smem KiB  regs  spills")
+            out.append("  Pallas/Mosaic kernels grid              threads  smem KiB  regs  spills")
             for k in self.kernels:
                 spills = "-" if k.spill_stores is None else f"{k.spill_stores}/{k.spill_loads} B"
                 out.append(f"    {k.name:22} {str(list(k.grid)):16} {k.threads[0]:7d}  "

@@ -41,18 +41,18 @@ class GroupedMatmulConfig:
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
-  grid_block_n: int = 4
+  group_rows: int = 8
   num_sms: int = 132
   interpret: bool = False
 
   def tiles(self) -> kernels.Tiles:
     return kernels.Tiles(self.block_m, self.block_n, self.block_k, self.stages,
-                         self.grid_block_n, self.num_sms, self.interpret)
+                         self.group_rows, self.num_sms, self.interpret)
 
 
 # CPU checks: the smallest wgmma tiles and two simulated SMs (interpret mode runs every
 # simulated thread in Python; it checks the kernels' logic, never their speed).
-INTERPRET = GroupedMatmulConfig(block_m=64, block_n=64, block_k=64, stages=2, grid_block_n=1,
+INTERPRET = GroupedMatmulConfig(block_m=64, block_n=64, block_k=64, stages=2, group_rows=2,
                                 num_sms=2, interpret=True)
 
 

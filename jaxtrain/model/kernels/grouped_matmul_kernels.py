@@ -48,9 +48,21 @@ class Tiles:
   block_n: int       # output columns per tile
   block_k: int       # contraction step: 64 bf16 values are one 128-byte swizzle row
   stages: int        # TMA loads in flight (shared memory: stages x both operand tiles)
-  grid_block_n: int  # tile order: this many column tiles walked together (lhs reuse in L2)
+  group_rows: int    # tile order: this many row tiles walked together (rhs reuse in L2)
   num_sms: int       # the persistent grid (132 on an H100 or H200)
   interpret: bool
+
+
+def _tile(t, rows: int, cols: int, group_rows: int):
+  """(row, col) of the t-th tile of a rows x cols grid, `group_rows` rows at a time, column by
+  column within a group: the tiles in flight on the SMs then share few rhs column tiles and
+  few lhs row tiles (Triton's grouped order). plgpu.planar_snake computes a remainder by zero
+  when the grid divides its tile width, which traps on CPU (interpret mode)."""
+  per_group = group_rows * cols
+  first_row = (t // per_group) * group_rows
+  height = jnp.minimum(rows - first_row, group_rows)
+  within = t % per_group
+  return first_row + within % height, within // height
 
 
 def _spec(block_shape, index_map, dtype):
@@ -109,8 +121,7 @@ def rows_times_group(lhs_MK, rhs, starts_G, ends_G, tiles: Tiles, rhs_layout: st
   def body(starts_ref, ends_ref, first_ref, last_ref, lhs_ref, rhs_ref, out_ref):
     @plgpu.nd_loop((row_blocks * col_blocks,), collective_axes="sm")
     def _(info):
-      mi, ni = plgpu.planar_snake(info.index[0], (row_blocks, col_blocks), 1,
-                                  tiles.grid_block_n)
+      mi, ni = _tile(info.index[0], row_blocks, col_blocks, tiles.group_rows)
       row0 = mi * bm
 
       def accumulate(acc_ref):
@@ -157,7 +168,7 @@ def per_group_products(lhs, rhs_MN, starts_G, ends_G, tiles: Tiles, lhs_layout: 
     @plgpu.nd_loop((g_count, k_blocks * n_blocks), collective_axes="sm")
     def _(info):
       g = info.index[0]
-      ki, ni = plgpu.planar_snake(info.index[1], (k_blocks, n_blocks), 1, tiles.grid_block_n)
+      ki, ni = _tile(info.index[1], k_blocks, n_blocks, tiles.group_rows)
       start, end = starts_ref[g], ends_ref[g]
       first = start // bk
 
