@@ -88,6 +88,12 @@ def test_moe_section_is_created_by_overrides_and_round_trips():
     assert load_config("configs/tiny.py").model.moe_layers == (False,) * 4
 
 
+def test_training_an_moe_model_is_refused_before_anything_is_built():
+    from jaxtrain import config_check
+    with pytest.raises(ConfigError, match="do not run mixture-of-experts layers yet"):
+        config_check.check(load_config("configs/tiny.py", [MOE]), 1)
+
+
 def test_missing_recipe_file():
     with pytest.raises(ConfigError, match="no such file"):
         load_recipe("configs/nope.py")

@@ -56,8 +56,8 @@ class Tiles:
 def _tile(t, rows: int, cols: int, group_rows: int):
   """(row, col) of the t-th tile of a rows x cols grid, `group_rows` rows at a time, column by
   column within a group: the tiles in flight on the SMs then share few rhs column tiles and
-  few lhs row tiles (Triton's grouped order). plgpu.planar_snake computes a remainder by zero
-  when the grid divides its tile width, which traps on CPU (interpret mode)."""
+  few lhs row tiles (Triton's grouped order). plgpu.planar_snake takes a remainder by zero
+  when the grid divides its tile width (interpret mode died of SIGFPE on a one-tile grid)."""
   per_group = group_rows * cols
   first_row = (t // per_group) * group_rows
   height = jnp.minimum(rows - first_row, group_rows)
