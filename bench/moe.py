@@ -26,17 +26,18 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import fp8 as fp8_bench  # noqa: E402  (bench/fp8.py: timeit)
 from jaxtrain.model.kernels import grouped_matmul as gm  # noqa: E402
 
 MIXTRAL = dict(m=16384, k=4096, n=14336, e=8)
@@ -94,18 +95,6 @@ def _passes(fn, sizes_arr):
     return {"fwd": jax.jit(fwd), "fwd+bwd": jax.jit(fwd_bwd)}
 
 
-def _time(fn, args, warmup: int, iters: int):
-    jax.block_until_ready(fn(*args))
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def timed_rows(m, k, n, e, *, skew=0.0, dtype="bfloat16", iters=10, impls=IMPLS,
                config=gm.GroupedMatmulConfig()) -> list[dict]:
     """Time each impl's forward and forward+backward; TFLOP/s of the grouped work and the
@@ -122,7 +111,7 @@ def timed_rows(m, k, n, e, *, skew=0.0, dtype="bfloat16", iters=10, impls=IMPLS,
         fns = _passes(impl_fn(impl, sizes, config), jnp.asarray(sizes))
         for name, fn in fns.items():
             args = (x, w) if name == "fwd" else (x, w, ct)
-            sec = _time(fn, args, 1 if on_gpu else 0, iters if on_gpu else 1)
+            sec = fp8_bench.timeit(fn, *args, reps=iters if on_gpu else 1)
             seconds[impl, name] = sec
             outs[impl, name] = fn(*args)
             work = 2.0 * m * k * n * (1 if name == "fwd" else 3)

@@ -16,6 +16,7 @@ from jaxtrain import weights
 from jaxtrain.tools import hf
 from jaxtrain.model import llama as model_lib
 from jaxtrain.config import CheckpointConfig, Config, ModelConfig, RopeScaling, load_recipe
+from util import decisive_hf_weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,17 +33,7 @@ def _hf_model(tied: bool, seed: int = 0):
         rope_scaling=dict(ROPE), rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
         attn_implementation="eager")
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    # HF's init (std 0.02, unit norms) gives near-zero logits that would hide mapping errors.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-    return model
+    return decisive_hf_weights(transformers.LlamaForCausalLM(cfg).float().eval())
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

@@ -11,6 +11,7 @@ from flax import nnx
 from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.model import llama as model_lib
 from jaxtrain.tools import hf
+from util import decisive_hf_weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -25,18 +26,7 @@ def _hf_model(seed: int = 0):
         num_experts_per_tok=2, max_position_embeddings=64, rms_norm_eps=1e-5,
         router_aux_loss_coef=0.02, attn_implementation="eager")
     torch.manual_seed(seed)
-    model = transformers.MixtralForCausalLM(cfg).float().eval()
-    # HF's init (std 0.02) gives near-zero logits and near-uniform routing, which would hide
-    # mapping errors; weights ~ N(0, 1/fan_in) make both decisive.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return model
+    return decisive_hf_weights(transformers.MixtralForCausalLM(cfg).float().eval())
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from flax import nnx
 from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_overrides
 from jaxtrain.data import synthetic_batch as random_batch
 
-__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses"]
+__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses",
+           "decisive_hf_weights"]
 
 
 def tiny_config(*overrides, workdir="runs/test") -> Config:
@@ -43,3 +44,19 @@ def metric_records(workdir: pathlib.Path) -> list[dict]:
 def logged_losses(workdir: pathlib.Path) -> dict[int, float]:
     """step -> loss of every logged step of a run."""
     return {r["step"]: r["loss"] for r in metric_records(workdir) if "loss" in r}
+
+
+def decisive_hf_weights(model):
+    """A transformers model's weights redrawn so a mapping error shows: HF's init (std 0.02,
+    unit norms) gives near-zero logits and near-uniform routing. Norms 1 + N(0, 0.2²), the
+    embedding N(0, 1), every other weight N(0, 1/fan-in) (HF stores [out, in]: the last dim)."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model
