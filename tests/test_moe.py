@@ -12,6 +12,7 @@ from flax import nnx
 from jaxtrain.config import ModelConfig, MoeConfig, RematConfig
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import moe
+from util import random_model_params
 
 F32 = jnp.float32
 CFG = ModelConfig(vocab_size=128, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -194,11 +195,13 @@ def test_the_aux_losses_reach_the_gradients_with_seed_one():
 
 
 # ----------------------------------------------------------------------------- in the Llama
+# The scanned groups against the layers one by one, each MoE layer as the dense reference with
+# its losses added to the objective by hand: logits, stats and gradients agree, so the
+# stacking maps rows right and the attached losses reach the gradients through the scans.
 
-# (layers, moe keys, MoE layers): groups (moe,)x2; (moe, dense)x1 + (moe,)x1; (dense,)x1 +
-# (moe,)x2
+# (layers, moe keys, MoE layers): groups (moe, dense)x1 + (moe,)x1; (dense,)x1 + (moe,)x2.
+# Every layer MoE is the second's last group (and Mixtral's HF parity, test_hf_mixtral.py).
 PATTERNS = {
-    "every_layer": (2, dict(), 2),
     "every_2nd": (3, dict(layer_freq=2), 2),
     "first_1_dense": (3, dict(first_k_dense=1), 2),
 }
@@ -208,63 +211,75 @@ def _moe_llama(ops=model_lib.Ops(), num_layers=3, **moe_kw):
     e = dataclasses.replace(CFG.moe, aux_loss_coeff=0.05, z_loss_coeff=0.01, shared_experts=1,
                             **moe_kw)
     cfg = dataclasses.replace(CFG, num_layers=num_layers, moe=e)
-    return cfg, nnx.split(model_lib.Llama(cfg, rngs=nnx.Rngs(0), ops=ops))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Llama(cfg, rngs=nnx.Rngs(0),
+                                                                       ops=ops)))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, random_model_params(cfg)))
+    return cfg, (graphdef, state)
 
 
 def _one_by_one(graphdef, state, tokens):
-    """The Llama's layers applied in model order, each from its own stack's row, no scan."""
+    """The Llama's layers in model order, each from its own stack's row, no scan; an MoE layer's
+    experts as the dense reference, its shared experts and losses spelled out. Returns
+    (logits, stats, the loss terms the attached gradients stand for)."""
     model = nnx.merge(graphdef, state)
-    kinds = model.cfg.moe_layers
-    moe_apply, moe_rows = model.block_fn()
-    dense_apply, dense_rows = model.block_fn(dense=True) if not all(kinds) else (None, None)
-    x = model.embed_tokens(tokens)
+    cfg = model.cfg
+    kinds = cfg.moe_layers
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    cos, sin = model_lib.rope_tables(model.cfg, positions)
+    cos, sin = model_lib.rope_tables(cfg, positions)
     seg = jnp.ones_like(tokens)
-    stats, seen = moe.MoeStats.zeros(), {True: 0, False: 0}
+    x = model.embed_tokens(tokens)
+    stats, terms, seen = moe.MoeStats.zeros(), 0.0, {True: 0, False: 0}
     for kind in kinds:
-        rows = moe_rows if kind else dense_rows
-        layer = jax.tree.map(lambda a: a[seen[kind]], rows)
+        stack = model.blocks if kind else model.dense_blocks
+        g, rows = nnx.split(stack)
+        block = nnx.merge(g, jax.tree.map(lambda a: a[seen[kind]], rows))
         seen[kind] += 1
-        if kind:
-            x, st = moe_apply(layer, x, cos, sin, seg)
-            stats = stats + st
-        else:
-            x = dense_apply(layer, x, cos, sin, seg)
-    return model.logits(x), stats
+        x = x + block.attn(block.attn_norm(x), cos, sin, seg)
+        h = block.mlp_norm(x)
+        if not kind:
+            x = x + block.mlp(h)
+            continue
+        p = nnx.to_pure_dict(nnx.state(block.moe))
+        h_TD = h.reshape(-1, cfg.hidden_size)
+        y = _dense_reference(h_TD, p, cfg.moe).reshape(h.shape)
+        x = x + y + block.moe.shared(h)
+        st = moe.layer_stats(moe.route(h_TD, p["router"], cfg.moe), cfg.moe, 0.0)
+        stats, terms = stats + st, terms + st.loss
+    return model.logits(x), jax.tree.map(jax.lax.stop_gradient, stats), terms
 
 
 def _loss(forward):
     tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, 128)
 
     def fn(state):
-        logits, stats = forward(state, tokens)
-        return model_lib.cross_entropy_sum(logits, tokens, jnp.ones_like(tokens))[0], stats
+        logits, stats, *terms = forward(state, tokens)
+        ce = model_lib.cross_entropy_sum(logits, tokens, jnp.ones_like(tokens))[0]
+        return ce + sum(terms), stats
     return fn
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_llama_with_moe_layers_equals_its_layers_run_one_by_one(pattern):
+def test_llama_with_moe_layers_equals_the_dense_reference_layer_by_layer(pattern):
     num_layers, moe_kw, moe_layers = PATTERNS[pattern]
     cfg, (graphdef, state) = _moe_llama(num_layers=num_layers, **moe_kw)
     assert sum(cfg.moe_layers) == moe_layers
     scanned = _loss(lambda s, t: nnx.merge(graphdef, s)(t))
-    reference = _loss(lambda s, t: _one_by_one(graphdef, s, t))
+    reference = _loss(lambda s, t: _one_by_one(graphdef, s, t))   # CE + the terms, explicitly
     (loss, stats), grads = jax.jit(jax.value_and_grad(scanned, has_aux=True))(state)
     (ref_loss, ref_stats), ref_grads = jax.jit(jax.value_and_grad(reference, has_aux=True))(state)
-    _close(loss, ref_loss)
+    _close(loss, ref_loss - ref_stats.loss)   # the attached terms add no value, only gradients
     _close(stats, ref_stats)
     assert float(stats.layers) == sum(cfg.moe_layers) and float(stats.loss) > 0
     _close(grads, ref_grads)
 
 
 def test_remat_runners_carry_the_stats():
-    """Full and selective recompute (the trainer's runners) give the plain scan's loss,
-    statistics and gradients."""
+    """Full recompute (the trainer's checkpointed scans: the MoE group's carries (x, stats),
+    the one-layer dense group's x alone, fenced) gives the plain scan's loss, statistics and
+    gradients."""
     from jaxtrain.parallel import remat
     results = []
-    for r in (RematConfig(), RematConfig(granularity="full", method="uniform", num_layers=1),
-              RematConfig(granularity="selective", modules=("core_attn",))):
+    for r in (RematConfig(), RematConfig(granularity="full", method="uniform", num_layers=1)):
         _, (graphdef, state) = _moe_llama(model_lib.Ops(run_layers=remat.layer_runner(r)),
                                           first_k_dense=1)
         fn = _loss(lambda s, t: nnx.merge(graphdef, s)(t))

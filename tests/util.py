@@ -10,7 +10,7 @@ from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_
 from jaxtrain.data import synthetic_batch as random_batch
 
 __all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses",
-           "decisive_hf_weights"]
+           "decisive_hf_weights", "random_model_params"]
 
 
 def tiny_config(*overrides, workdir="runs/test") -> Config:
@@ -33,6 +33,22 @@ def random_params(setup):
         lambda path, x: np.ones(x.shape, x.dtype) if "scale" in jax.tree_util.keystr(path)
         else (0.1 * rng.standard_normal(x.shape)).astype(x.dtype),
         nnx.to_pure_dict(setup.abstract_state))
+
+
+def random_model_params(cfg: ModelConfig, seed=0):
+    """Random params of a Llama of `cfg` (shapes from an abstract model; eager NNX init is
+    slow): norms 1 + N(0, 0.2²) (not all ones), the embedding N(0, 1), the rest N(0, 1/D)."""
+    from jaxtrain.model import llama
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
+        lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, s):
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            return (1.0 + 0.2 * rng.standard_normal(s.shape)).astype(np.float32)
+        std = 1.0 if jax.tree_util.keystr(path) == "['embed']" else cfg.hidden_size ** -0.5
+        return (std * rng.standard_normal(s.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def metric_records(workdir: pathlib.Path) -> list[dict]:

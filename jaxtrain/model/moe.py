@@ -231,12 +231,18 @@ def permute(x_TD, experts_TK, num_experts: int, keep_TK=None):
     return x_TD[order_N // experts_TK.shape[1]], Permutation(order_N, sizes_E)
 
 
-def expert_swiglu(x_ND, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, grouped_dot):
-    """The experts on rows sorted by expert: three grouped GEMMs around the SwiGLU."""
-    gate_NF = checkpoint_name(grouped_dot(x_ND, w_gate_EDF, group_sizes_E), "moe_in")
-    up_NF = checkpoint_name(grouped_dot(x_ND, w_up_EDF, group_sizes_E), "moe_in")
-    h_NF = checkpoint_name(swiglu(gate_NF, up_NF), "moe_act")
-    return checkpoint_name(grouped_dot(h_NF, w_down_EFD, group_sizes_E), "moe_out")
+def expert_swiglu(x, w_gate_EDF, w_up_EDF, w_down_EFD, matmul):
+    """The experts' SwiGLU: `matmul(x, w_E..)` multiplies every expert's rows of x by its
+    matrix (the grouped GEMM on rows sorted by expert, or a batched einsum on [E, C]
+    buffers)."""
+    gate = checkpoint_name(matmul(x, w_gate_EDF), "moe_in")
+    up = checkpoint_name(matmul(x, w_up_EDF), "moe_in")
+    h = checkpoint_name(swiglu(gate, up), "moe_act")
+    return checkpoint_name(matmul(h, w_down_EFD), "moe_out")
+
+
+def _batched(x_ECD, w_EDF):
+    return jnp.einsum("ecd,edf->ecf", x_ECD, w_EDF)
 
 
 def unpermute(y_ND, order_N, weights_TK):
@@ -291,15 +297,12 @@ class MoeLayer(nnx.Module):
             dropped = jnp.sum(~keep_TK)
         if e.dispatch == "capacity" and e.pad_to_capacity:
             x_ECD = to_capacity(x_TD, experts_TK, slot_TK, keep_TK, e.num_experts, cap)
-            gate = jnp.einsum("ecd,edf->ecf", x_ECD, weights[0])
-            up = jnp.einsum("ecd,edf->ecf", x_ECD, weights[1])
-            h = checkpoint_name(swiglu(checkpoint_name(gate, "moe_in"),
-                                       checkpoint_name(up, "moe_in")), "moe_act")
-            y_ECD = checkpoint_name(jnp.einsum("ecf,efd->ecd", h, weights[2]), "moe_out")
+            y_ECD = expert_swiglu(x_ECD, *weights, _batched)
             y_TD = from_capacity(y_ECD, experts_TK, slot_TK, weights_TK)
-        else:
+        else:   # dropless, or the kept rows sorted the same way
             x_ND, perm = permute(x_TD, experts_TK, e.num_experts, keep_TK)
-            y_ND = expert_swiglu(x_ND, perm.group_sizes_E, *weights, self.ops.grouped_dot)
+            y_ND = expert_swiglu(x_ND, *weights, lambda x, w: self.ops.grouped_dot(
+                x, w, perm.group_sizes_E))
             y_TD = unpermute(y_ND, perm.order_N, weights_TK)
         y_BSD = y_TD.reshape(b, s, d).astype(self.compute_dtype)
         if self.shared is not None:
