@@ -145,6 +145,10 @@ def rows_times_group(lhs_MK, rhs, starts_G, ends_G, tiles: Tiles, rhs_layout: st
                 step, grid=(k // bk,),
                 in_specs=[_spec((bm, bk), lambda kk: (mi, kk), lhs_MK.dtype), rhs_spec],
                 max_concurrent_steps=tiles.stages)(lhs_ref, rhs_ref.at[g])
+            # The pipeline returns with its last wgmma in flight, reading a shared-memory
+            # slot the next group's pipeline would refill (the interpreter runs wgmma
+            # synchronously and cannot see this race).
+            plgpu.wgmma_wait(0)
           return carry
 
         jax.lax.fori_loop(first_ref[mi], last_ref[mi] + 1, one_group, 0)
