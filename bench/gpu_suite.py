@@ -10,6 +10,9 @@ Sections, each a list of rows in one table and one JSON (DIR/gpu_suite.json):
              Pallas kernel's block skipping on packed documents (bench/attention.py)
   fp8        FP8 vs bf16 GEMM speed and whether the compiled HLO runs cuBLASLt FP8 GEMMs
              (bench/fp8.py)
+  moe        the MoE experts' grouped GEMM at Mixtral's shapes, even and uneven groups: the
+             Mosaic GPU kernels vs ragged_dot vs a padded einsum vs one dense GEMM of the same
+             work (bench/moe.py); target: the kernels' fwd+bwd within 80% of the dense GEMM
   model      a ~1B Llama's step time and MFU with each attention, and with FP8 on and off;
              device memory measured (peak bytes in use) vs compiled vs the ledger
   breakdown  a profiled run of the ~1B model through the trainer and its MFU breakdown
@@ -37,6 +40,7 @@ import numpy as np  # noqa: E402
 
 import attention as attention_bench  # noqa: E402  (bench/attention.py)
 import fp8 as fp8_bench  # noqa: E402  (bench/fp8.py)
+import moe as moe_bench  # noqa: E402  (bench/moe.py)
 from jaxtrain import step  # noqa: E402
 from jaxtrain.parallel import sharding  # noqa: E402
 from jaxtrain.tools import hlo  # noqa: E402
@@ -45,6 +49,7 @@ from jaxtrain.ledger import estimate, get_gpu, layout_from_config  # noqa: E402
 from jaxtrain.ledger.flops import mfu  # noqa: E402
 from jaxtrain.ledger.hardware import gpu_for_device_kind  # noqa: E402
 from jaxtrain.model.kernels import flash_attention, reference_attention  # noqa: E402
+from jaxtrain.model.kernels import grouped_matmul  # noqa: E402
 
 # ~1.2B parameters, Llama proportions: 16 layers of hidden 2048, seq 4096, 4 sequences.
 MODEL_1B = ["--model.hidden_size=2048", "--model.num_layers=16", "--model.num_heads=16",
@@ -125,6 +130,23 @@ def fp8_rows(smoke: bool) -> list[dict]:
     cfg = Fp8Config(enabled=True)
     return [dict(section="fp8", **fp8_bench.gemm_row(m, n, k, 2 if smoke else 10, cfg))
             for m, n, k in sizes]
+
+
+def moe_rows(smoke: bool) -> list[dict]:
+    """bench/moe.py's rows, even (skew 0) and Dirichlet(1) group sizes (smoke: the uneven
+    ones). ok: the kernels agree with ragged_dot to a few bf16 ulps and, on a GPU, their
+    forward+backward runs within 80% of the dense GEMM of the same work (smoke: interpret
+    mode, no timing)."""
+    shape, config = ((moe_bench.QUICK, grouped_matmul.INTERPRET) if smoke else
+                     (moe_bench.MIXTRAL, grouped_matmul.GroupedMatmulConfig()))
+    rows = []
+    for skew in (1.0,) if smoke else (0.0, 1.0):
+        for r in moe_bench.timed_rows(**shape, skew=skew, iters=10, config=config):
+            if r["impl"] == "mosaic":
+                fast = not r["timing"] or r["passes"] != "fwd+bwd" or r["vs_dense"] >= 0.8
+                r["ok"] = r["rel_err_vs_ragged_dot"] <= 2 ** -6 and fast
+            rows.append(dict(section="moe", skew=skew, **r))
+    return rows
 
 
 def _peak(cfg) -> float:
@@ -223,8 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for a CPU smoke test")
     ap.add_argument("--out", default=None, help="folder for gpu_suite.json and the breakdown")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting sections after")
-    ap.add_argument("--sections", nargs="+", default=["kernel", "attention", "fp8", "model",
-                                                      "breakdown"])
+    ap.add_argument("--sections", nargs="+", default=["kernel", "attention", "fp8", "moe",
+                                                      "model", "breakdown"])
     args = ap.parse_args(argv)
     out_dir = pathlib.Path(args.out or tempfile.mkdtemp(prefix="gpu_suite_"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,6 +254,7 @@ def main(argv=None) -> int:
     sections = {"kernel": lambda: kernel_rows(args.smoke),
                 "attention": lambda: attention_rows(args.smoke, budget),
                 "fp8": lambda: fp8_rows(args.smoke),
+                "moe": lambda: moe_rows(args.smoke),
                 "model": lambda: model_rows(args.smoke, budget),
                 "breakdown": lambda: breakdown_rows(args.smoke, out_dir)}
     rows = []

@@ -92,3 +92,53 @@ def saved_tree_metadata(checkpointer, directory):
     `.item_metadata.tree`, by version)."""
     meta = checkpointer.metadata(directory)
     return getattr(getattr(meta, "item_metadata", None), "tree", meta)
+
+
+def mosaic_gpu_compiler_params():
+    """Mosaic GPU (Hopper) kernel compiler params with warpgroup lowering semantics: layouts
+    and shared-memory transforms inferred, wgmma/TMA issued per warpgroup. plgpu is
+    experimental; jax 0.10 and 0.11 spell it CompilerParams(lowering_semantics=...)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def mosaic_gpu_interpret_params():
+    """What `plgpu.kernel(..., interpret=...)` takes to run a Mosaic GPU kernel on CPU,
+    simulating shared memory, barriers and TMA: jax 0.10 keeps the class in jax._src (no
+    public name yet)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    cls = getattr(plgpu, "InterpretParams", None)
+    if cls is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
+    return cls()
+
+
+# The Mosaic GPU compiler (in the jax CUDA plugin) writes, per kernel it compiles, ptxas's
+# report (`<kernel>.ptxas`), the PTX and a log of its MLIR passes (which holds the launch's
+# dynamic shared memory) into this folder when both variables are set at compile time.
+MOSAIC_GPU_DUMP_ENV = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS")
+
+
+class mosaic_gpu_dump:
+    """`with mosaic_gpu_dump(folder):` compiles inside write each Mosaic GPU kernel's ptxas
+    report and pass log into `folder` (read by tools.gpu_program.mosaic_kernels); the
+    variables are restored on exit."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def __enter__(self):
+        import os
+        os.makedirs(self.folder, exist_ok=True)
+        self.saved = {k: os.environ.get(k) for k in MOSAIC_GPU_DUMP_ENV}
+        os.environ.update(zip(MOSAIC_GPU_DUMP_ENV, (self.folder, "1")))
+        return self.folder
+
+    def __exit__(self, *exc):
+        import os
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        return False

@@ -82,6 +82,56 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray], fmt: s
               metadata={"format": fmt})
 
 
+def read_safetensors_folder(folder: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of a folder's *.safetensors, following model.safetensors.index.json (the
+    Hugging Face layout) when the weights are sharded."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        weight_map = None
+    if not files:
+        raise HfConversionError(f"{folder} has no *.safetensors weights (.bin/.pth files are not "
+                                "read: re-save with safe_serialization=True)")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise HfConversionError(f"{index} names {name}, which is not in {folder}")
+        tensors.update(read_safetensors(folder / name))
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise HfConversionError(f"{index} lists tensor {missing[0]!r} but no shard holds it")
+    return tensors
+
+
+def write_safetensors_shards(folder: pathlib.Path, tensors: dict[str, np.ndarray],
+                             max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors and their index when the tensors
+    are larger than `max_shard_bytes` (the Hugging Face layout)."""
+    shards: list[dict] = [{}]
+    size = 0
+    for name, w in tensors.items():
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    if len(shards) == 1:
+        write_safetensors(folder / "model.safetensors", tensors, "pt")
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(folder / fname, shard, "pt")
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())},
+             "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def refuse_overwrite(out_dir: pathlib.Path, pattern: str) -> None:
     stale = sorted(p.name for p in out_dir.glob(pattern))
     if stale:
@@ -148,3 +198,33 @@ def load_params(directory: str | pathlib.Path) -> tuple[dict, Config]:
                                 "`python -m jaxtrain.hf import`")
     cfg = from_dict(json.loads((directory / "config.json").read_text()))
     return unflatten(read_safetensors(directory / PARAMS_FILE)), cfg
+
+
+def read_checkpoint(path: str | pathlib.Path, step: int | None = None) -> tuple[dict, Config]:
+    """(numpy params, Config) from an import folder, a training workdir (its latest checkpoint,
+    or `step`), or a workdir's checkpoints/<step> folder."""
+    path = pathlib.Path(path)
+    if (path / PARAMS_FILE).is_file():
+        return load_params(path)
+    if (path / "checkpoints").is_dir():
+        workdir, steps_dir = path, path / "checkpoints"
+        done = sorted(int(p.name) for p in steps_dir.iterdir() if p.name.isdigit())
+        if step is None:
+            if not done:
+                raise HfConversionError(f"{steps_dir} holds no finished checkpoint")
+            step = done[-1]
+        elif step not in done:
+            raise HfConversionError(f"{steps_dir} has no step {step}; it has {done}")
+        step_dir = steps_dir / str(step)
+    elif (path / "state").is_dir() and path.parent.name == "checkpoints":
+        workdir, step_dir = path.parent.parent, path
+    else:
+        raise HfConversionError(f"--checkpoint {path}: expected an import folder (with "
+                                f"{PARAMS_FILE}), a training workdir (with checkpoints/) or a "
+                                "workdir's checkpoints/<step> folder")
+    if not (workdir / "config.json").is_file():
+        raise HfConversionError(f"{workdir} has no config.json (the trainer writes it); cannot "
+                                "tell the model's shape")
+    cfg = from_dict(json.loads((workdir / "config.json").read_text()))
+    from jaxtrain.checkpoint import read_params
+    return read_params(step_dir, cfg.model.num_layers), cfg

@@ -88,3 +88,27 @@ def test_saved_tree_metadata_of_an_orbax_item(tmp_path):
     ckptr.save(tmp_path / "item", {"params": {"w": np.ones((2, 3), np.float32)}})
     tree = compat.saved_tree_metadata(ckptr, tmp_path / "item")
     assert tuple(tree["params"]["w"].shape) == (2, 3)
+
+
+def test_mosaic_gpu_params_run_a_kernel_in_interpret_mode():
+    """A Mosaic GPU kernel (warpgroup semantics) runs on CPU with the interpret params."""
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0 + 1.0
+    x = jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64)
+    kernel = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            compiler_params=compat.mosaic_gpu_compiler_params(),
+                            interpret=compat.mosaic_gpu_interpret_params())
+    np.testing.assert_array_equal(jax.jit(kernel)(x), 2 * x + 1)
+
+
+def test_mosaic_gpu_dump_sets_and_restores_the_compiler_variables(tmp_path, monkeypatch):
+    import os
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "0")
+    monkeypatch.delenv("MOSAIC_GPU_DUMP_TO", raising=False)
+    with compat.mosaic_gpu_dump(tmp_path / "dump") as folder:
+        assert os.environ["MOSAIC_GPU_DUMP_TO"] == folder == str(tmp_path / "dump")
+        assert os.environ["MOSAIC_GPU_DUMP_PTXAS"] == "1" and os.path.isdir(folder)
+    assert "MOSAIC_GPU_DUMP_TO" not in os.environ
+    assert os.environ["MOSAIC_GPU_DUMP_PTXAS"] == "0"

@@ -56,6 +56,44 @@ def test_invalid_configs_fail_early(overrides, message):
         load_config("configs/tiny.py", overrides)
 
 
+MOE = "--model.moe.num_experts=8"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--model.moe.top_k=9", r"model.moe.top_k=9 is outside \[1, model.moe.num_experts=8\]"),
+    ("--model.moe.top_k=0", r"model.moe.top_k=0 is outside \[1,"),
+    ("--model.moe.capacity_factor=0", "model.moe.capacity_factor=0.0 must be > 0"),
+    ("--model.moe.capacity_factor=-1.5", "model.moe.capacity_factor=-1.5 must be > 0"),
+    ("--model.moe.first_k_dense=4", "leave no MoE layer among model.num_layers=4"),
+    ("--model.moe.layer_freq=0", "model.moe.layer_freq=0 must be >= 1"),
+    ("--model.moe.pad_to_capacity=true", "pad_to_capacity=true needs model.moe.dispatch=capacity"),
+    ("--model.moe.aux_loss_coeff=-0.1", "aux_loss_coeff=-0.1 must be >= 0"),
+    ("--model.moe.top_k=1", "set model.moe.pre_softmax=true"),
+    ("--model.moe.score_function=sigmoid", "choose one of softmax"),
+    ("--fp8.enabled=true", "experts' grouped GEMMs have no FP8 path yet"),
+])
+def test_bad_moe_configs_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config("configs/tiny.py", [MOE, override])
+    assert "\n" not in str(err.value)
+
+
+def test_moe_section_is_created_by_overrides_and_round_trips():
+    cfg = load_config("configs/tiny.py", [MOE, "--model.moe.layer_freq=2",
+                                          "--model.moe.first_k_dense=1",
+                                          "--model.moe.shared_experts=2"])
+    assert cfg.model.moe_layers == (False, False, True, False)   # i >= 1 and i % 2 == 0
+    assert cfg.model.shared_mlp_size == 2 * cfg.model.mlp_size
+    assert from_dict(__import__("json").loads(cfg.to_json())) == cfg
+    assert load_config("configs/tiny.py").model.moe_layers == (False,) * 4
+
+
+def test_training_an_moe_model_is_refused_before_anything_is_built():
+    from jaxtrain import config_check
+    with pytest.raises(ConfigError, match="do not run mixture-of-experts layers yet"):
+        config_check.check(load_config("configs/tiny.py", [MOE]), 1)
+
+
 def test_missing_recipe_file():
     with pytest.raises(ConfigError, match="no such file"):
         load_recipe("configs/nope.py")

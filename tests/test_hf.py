@@ -16,6 +16,7 @@ from jaxtrain import weights
 from jaxtrain.tools import hf
 from jaxtrain.model import llama as model_lib
 from jaxtrain.config import CheckpointConfig, Config, ModelConfig, RopeScaling, load_recipe
+from util import decisive_hf_weights, random_model_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,17 +33,7 @@ def _hf_model(tied: bool, seed: int = 0):
         rope_scaling=dict(ROPE), rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
         attn_implementation="eager")
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    # HF's init (std 0.02, unit norms) gives near-zero logits that would hide mapping errors.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-    return model
+    return decisive_hf_weights(transformers.LlamaForCausalLM(cfg).float().eval())
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -68,20 +59,6 @@ def _our_logits(params, cfg: ModelConfig, tokens, real_vocab=None):
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
     return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
-
-
-def _random_params(cfg: ModelConfig, seed=0):
-    """Random params of our layout (shapes from an abstract model; eager NNX init is slow)."""
-    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
-        lambda: model_lib.Llama(cfg, rngs=nnx.Rngs(0)))))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        if jax.tree_util.keystr(path).endswith("['scale']"):  # norms: around 1, not all ones
-            return (1.0 + 0.2 * rng.standard_normal(s.shape)).astype(np.float32)
-        std = 1.0 if jax.tree_util.keystr(path) == "['embed']" else cfg.hidden_size ** -0.5
-        return (std * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def _assert_bitwise_equal(a: dict, b: dict):
@@ -174,7 +151,7 @@ def test_export_loads_in_transformers_with_padded_vocab(tmp_path):
                        mlp_size=128, max_seq_len=128, rope_theta=5e5, norm_eps=1e-5,
                        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 32), compute_dtype="float32")
     padded = dataclasses.replace(real, vocab_size=384)
-    params = _random_params(padded)
+    params = random_model_params(padded)
     hf.save_hf_checkpoint(tmp_path, params, real, max_shard_bytes=200_000)
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
@@ -197,7 +174,7 @@ def test_export_loads_in_transformers_with_padded_vocab(tmp_path):
 def test_bfloat16_export_reads_back(tmp_path):
     cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                       mlp_size=32)
-    params = _random_params(cfg)
+    params = random_model_params(cfg)
     hf.save_hf_checkpoint(tmp_path, params, cfg, dtype="bfloat16")
     hf_config, state_dict = hf.load_hf_checkpoint(tmp_path)
     assert hf_config["torch_dtype"] == "bfloat16"
@@ -306,7 +283,7 @@ def test_export_from_training_checkpoint_and_train_state(tmp_path):
     cfg.validate()
     setup = step_lib.build(cfg, sharding.make_mesh(cfg.parallel))
     assert setup.model_cfg.vocab_size == 256
-    params = _random_params(setup.model_cfg)
+    params = random_model_params(setup.model_cfg)
     unpadded = {**params, "embed": params["embed"][:200], "lm_head": params["lm_head"][:, :200]}
     state = step_lib.train_state_from_params(setup, weights.pad_vocab(unpadded, 256))
     abstract = setup.abstract_train_state

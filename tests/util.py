@@ -10,7 +10,7 @@ from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_
 from jaxtrain.data import synthetic_batch as random_batch
 
 __all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses",
-           "check_breakdown_sums"]
+           "check_breakdown_sums", "decisive_hf_weights", "random_model_params"]
 
 
 def tiny_config(*overrides, workdir="runs/test") -> Config:
@@ -35,6 +35,22 @@ def random_params(setup):
         nnx.to_pure_dict(setup.abstract_state))
 
 
+def random_model_params(cfg: ModelConfig, seed=0):
+    """Random params of a Llama of `cfg` (shapes from an abstract model; eager NNX init is
+    slow): norms 1 + N(0, 0.2²) (not all ones), the embedding N(0, 1), the rest N(0, 1/D)."""
+    from jaxtrain.model import llama
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
+        lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, s):
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            return (1.0 + 0.2 * rng.standard_normal(s.shape)).astype(np.float32)
+        std = 1.0 if jax.tree_util.keystr(path) == "['embed']" else cfg.hidden_size ** -0.5
+        return (std * rng.standard_normal(s.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
 def metric_records(workdir: pathlib.Path) -> list[dict]:
     """A run's metrics.jsonl records ([] before it has any)."""
     path = pathlib.Path(workdir) / "metrics.jsonl"
@@ -54,3 +70,19 @@ def check_breakdown_sums(bd):
         for d, v in s.per_device.items():
             assert bd.ideal + sum(v[t] or 0.0 for t in TERMS) == pytest.approx(
                 v["t_step"], abs=1e-12), d
+
+
+def decisive_hf_weights(model):
+    """A transformers model's weights redrawn so a mapping error shows: HF's init (std 0.02,
+    unit norms) gives near-zero logits and near-uniform routing. Norms 1 + N(0, 0.2²), the
+    embedding N(0, 1), every other weight N(0, 1/fan-in) (HF stores [out, in]: the last dim)."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model

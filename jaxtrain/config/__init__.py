@@ -12,12 +12,12 @@ import X` reaches every name below.
 """
 from jaxtrain.config.sections import (
     CheckpointConfig, Config, ConfigError, DataConfig, Fp8Config, FrozenConfigError, ModelConfig,
-    ParallelConfig, PrepareConfig, RematConfig, RopeScaling, TrainConfig, parse_duration)
+    MoeConfig, ParallelConfig, PrepareConfig, RematConfig, RopeScaling, TrainConfig, parse_duration)
 from jaxtrain.config.loading import (
     apply_overrides, derive, from_dict, load_config, load_recipe, parse_value, set_value)
 from jaxtrain.config.rules import (
     CONTEXT_STRATEGIES, DEGREES, FP8_ALIGN, check_batch_split, check_context_core,
-    check_context_split, check_fill, check_fp8, check_gqa, parse_mixture, validate,
+    check_context_split, check_fill, check_fp8, check_gqa, check_moe, parse_mixture, validate,
     validate_data)
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Fp8Config",
     "FrozenConfigError",
     "ModelConfig",
+    "MoeConfig",
     "ParallelConfig",
     "PrepareConfig",
     "RematConfig",
@@ -50,6 +51,7 @@ __all__ = [
     "check_fill",
     "check_fp8",
     "check_gqa",
+    "check_moe",
     "parse_mixture",
     "validate",
     "validate_data",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from jaxtrain.config.sections import (Config, ConfigError, DataConfig, Fp8Config, ModelConfig,
-                                      ParallelConfig, parse_duration)
+                                      MoeConfig, ParallelConfig, parse_duration)
 
 # The rules a config must pass before anything runs. `validate` (Config.validate) applies those
 # that need no devices; jaxtrain.config_check.check(cfg, n_devices) applies them too, then the
@@ -16,6 +16,7 @@ DEGREES = ("data", "fsdp", "tensor", "context", "stage")
 CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "cudnn"),
                       "ring": ("auto", "xla", "pallas")}
 FP8_ALIGN = 16  # FP8 GEMMs need K and N multiples of 16 (cuBLASLt, Transformer Engine)
+MOE_SCORE_FUNCTIONS = ("softmax",)   # model.moe.score_function (DeepSeek's sigmoid: next)
 
 
 def _check(ok: bool, msg: str, error: type[ConfigError] = ConfigError) -> None:
@@ -141,6 +142,42 @@ def check_fp8(f: Fp8Config) -> None:
            "use fp8.recipe=delayed")
 
 
+def check_moe(m: ModelConfig, fp8_enabled: bool = False) -> None:
+    """model.moe's own rules (the expert degree's are config_check's)."""
+    e: MoeConfig = m.moe
+    if e is None:
+        return
+    _check(e.num_experts >= 1, f"model.moe.num_experts={e.num_experts} must be >= 1")
+    _check(1 <= e.top_k <= e.num_experts, f"model.moe.top_k={e.top_k} is outside [1, "
+           f"model.moe.num_experts={e.num_experts}]; route each token to 1..{e.num_experts} "
+           "experts")
+    _check(e.score_function in MOE_SCORE_FUNCTIONS, f"model.moe.score_function="
+           f"{e.score_function!r} is unknown; choose {' or '.join(MOE_SCORE_FUNCTIONS)}")
+    _check(e.top_k > 1 or e.pre_softmax, "model.moe.top_k=1 with pre_softmax=false: a softmax "
+           "over one logit is always 1, so the router would get no gradient from the tokens; "
+           "set model.moe.pre_softmax=true (as Megatron requires)")
+    for key in ("mlp_size", "shared_experts", "shared_mlp_size", "first_k_dense"):
+        _check(getattr(e, key) >= 0, f"model.moe.{key}={getattr(e, key)} must be >= 0")
+    _check(e.layer_freq >= 1, f"model.moe.layer_freq={e.layer_freq} must be >= 1 (1: every "
+           "layer is MoE)")
+    _check(any(m.moe_layers), f"model.moe.first_k_dense={e.first_k_dense} and layer_freq="
+           f"{e.layer_freq} leave no MoE layer among model.num_layers={m.num_layers}; lower "
+           "them or unset model.moe")
+    for key in ("aux_loss_coeff", "z_loss_coeff"):
+        _check(getattr(e, key) >= 0, f"model.moe.{key}={getattr(e, key)} must be >= 0")
+    _check(e.dispatch in ("dropless", "capacity"), f"model.moe.dispatch={e.dispatch!r} is "
+           "unknown; choose dropless or capacity")
+    _check(e.drop_policy in ("probs", "position"), f"model.moe.drop_policy={e.drop_policy!r} "
+           "is unknown; choose probs (drop the lowest router probabilities) or position (the "
+           "latest tokens)")
+    _check(e.capacity_factor > 0, f"model.moe.capacity_factor={e.capacity_factor} must be > 0 "
+           "(1.0: each expert takes its even share of the tokens)")
+    _check(not e.pad_to_capacity or e.dispatch == "capacity", "model.moe.pad_to_capacity=true "
+           "needs model.moe.dispatch=capacity (dropless has no capacity to pad to)")
+    _check(not fp8_enabled, "fp8.enabled=true with model.moe: the experts' grouped GEMMs have "
+           "no FP8 path yet (per-expert scaling); turn fp8 off for MoE models")
+
+
 def validate(cfg: Config) -> None:
     """The rules that need no devices (config_check.check(cfg, n_devices) adds the rest)."""
     m, p, t, f = cfg.model, cfg.parallel, cfg.train, cfg.fp8
@@ -148,6 +185,7 @@ def validate(cfg: Config) -> None:
                  "max_seq_len"):
         _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
     check_gqa(m)
+    check_moe(m, cfg.fp8.enabled)
     _check(m.head_dim > 0 or m.hidden_size % m.num_heads == 0,
            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
            "set model.head_dim explicitly")

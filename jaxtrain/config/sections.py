@@ -46,6 +46,39 @@ class RopeScaling(_Section):
 
 
 @dataclasses.dataclass
+class MoeConfig(_Section):
+    """Mixture of experts (docs/design.md §8), Megatron's names: which layers are MoE, the
+    router, the experts and how tokens reach them. `model.moe` unset: every layer is dense."""
+    num_experts: int = 8           # --num-experts
+    top_k: int = 2                 # --moe-router-topk
+    mlp_size: int = 0              # each expert's SwiGLU (--moe-ffn-hidden-size); 0: model.mlp_size
+    # Always-on experts next to the routed ones (DeepSeek's n_shared_experts): one SwiGLU of
+    # shared_experts x shared_mlp_size (Megatron's --moe-shared-expert-intermediate-size).
+    shared_experts: int = 0
+    shared_mlp_size: int = 0       # each shared expert's size; 0: the routed experts' size
+    # Layer i is MoE when i >= first_k_dense and i % layer_freq == 0 (Megatron's
+    # --moe-layer-freq N, DeepSeek's first_k_dense_replace; Mixtral: every layer).
+    layer_freq: int = 1
+    first_k_dense: int = 0
+    # The router's score function (--moe-router-score-function): one switch; DeepSeek's
+    # sigmoid joins with its router.
+    score_function: Literal["softmax"] = "softmax"
+    # --moe-router-pre-softmax: false (Mixtral): softmax over the top-k logits (the top-k
+    # renormalised); true: softmax over all experts, the top-k kept as they are.
+    pre_softmax: bool = False
+    aux_loss_coeff: float = 1e-2   # --moe-aux-loss-coeff (Switch/GShard load balancing, per layer)
+    z_loss_coeff: float = 0.0      # --moe-z-loss-coeff (ST-MoE router z-loss)
+    # dropless: every token reaches its experts (a grouped GEMM over the tokens sorted by
+    # expert); capacity: each expert takes at most ceil(tokens x top_k / experts x
+    # capacity_factor) (--moe-expert-capacity-factor), dropping by drop_policy
+    # (--moe-token-drop-policy: the lowest router probabilities, or the latest positions).
+    dispatch: Literal["dropless", "capacity"] = "dropless"
+    capacity_factor: float = 1.0
+    drop_policy: Literal["probs", "position"] = "probs"
+    pad_to_capacity: bool = False  # --moe-pad-expert-input-to-capacity: [experts, capacity] buffers
+
+
+@dataclasses.dataclass
 class ModelConfig(_Section):
     vocab_size: int = 384
     hidden_size: int = 256
@@ -62,10 +95,30 @@ class ModelConfig(_Section):
     attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    moe: Optional[MoeConfig] = None
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether it is a mixture-of-experts layer (all False without model.moe)."""
+        e = self.moe
+        return tuple(e is not None and i >= e.first_k_dense and i % e.layer_freq == 0
+                     for i in range(self.num_layers))
+
+    @property
+    def expert_mlp_size(self) -> int:
+        return (self.moe.mlp_size if self.moe is not None else 0) or self.mlp_size
+
+    @property
+    def shared_mlp_size(self) -> int:
+        """The shared experts' SwiGLU size (all of them: count x each), 0 without any."""
+        e = self.moe
+        if e is None or not e.shared_experts:
+            return 0
+        return e.shared_experts * (e.shared_mlp_size or self.expert_mlp_size)
 
 
 @dataclasses.dataclass

@@ -30,6 +30,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import fp8 as fp8_lib
+from jaxtrain.model import moe as moe_lib
+from jaxtrain.model import stack as stack_lib
+from jaxtrain.model.layers import (Dense, RMSNorm, gather_sequence, normal, param,
+                                   project_gathered, project_scattered, split_sequence, swiglu)
+from jaxtrain.model.layers import Fp8MetaState  # noqa: F401  (callers name it model_lib's)
 from jaxtrain.config import ModelConfig
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
@@ -63,6 +68,8 @@ class Ops:
     default is a plain scan, `remat` supplies checkpointed and grouped scans. When the stack
     runs as several layer ranges (FP8 with bf16 first/last layers), `span_runner(start, stop)`
     gives the runner of layers [start, stop) (default: `run_layers` for every range).
+    `grouped_dot(x_ND, w_EDF, group_sizes_E) -> y_NF` is the MoE experts' grouped GEMM
+    (lax.ragged_dot's contract; on Hopper kernels.grouped_matmul).
     """
     dot_general: DotGeneral = jax.lax.dot_general
     constrain: Constrain = identity_constrain
@@ -71,10 +78,7 @@ class Ops:
     run_layers: Optional[Callable] = None
     fp8: Optional[Fp8Layers] = None
     span_runner: Optional[Callable[[int, int], Callable]] = None
-
-
-class Fp8MetaState(nnx.Variable):
-    """An `fp8.Fp8Meta` (scales, amax histories): train state outside `params`, never optimised."""
+    grouped_dot: Callable = moe_lib.ragged_dot
 
 
 def layer_spans(num_layers: int, fp8: Optional[Fp8Layers]) -> list[tuple[int, int, bool]]:
@@ -84,15 +88,6 @@ def layer_spans(num_layers: int, fp8: Optional[Fp8Layers]) -> list[tuple[int, in
     first, last = fp8.bf16_first, num_layers - fp8.bf16_last
     spans = [(0, first, False), (first, last, True), (last, num_layers, False)]
     return [s for s in spans if s[1] > s[0]]
-
-
-def _param(rngs: nnx.Rngs, init, shape, axes, dtype):
-    value = init(rngs.params(), shape, dtype)
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
-def _normal(std):
-    return jax.nn.initializers.normal(stddev=std)
 
 
 def _real_vocab_rows(init, real_vocab: int, axis: int):
@@ -106,150 +101,6 @@ def _real_vocab_rows(init, real_vocab: int, axis: int):
         pad[axis] = (0, shape[axis] - real_vocab)
         return jnp.pad(real, pad)
     return draw
-
-
-class Dense(nnx.Module):
-    """A projection: contracts x's last `len(in_shape)` dims with the kernel's leading dims.
-
-    With `ops.fp8` it also owns an FP8 meta; `fp8=True` calls then run in FP8 (x is the E4M3
-    activation operand, the kernel the E4M3 weight operand, gradients E5M2).
-    """
-
-    def __init__(self, in_shape, out_shape, axes, *, cfg: ModelConfig, ops: Ops, rngs, std,
-                 name: str):
-        self.kernel = _param(rngs, _normal(std), (*in_shape, *out_shape), axes,
-                             jnp.dtype(cfg.param_dtype))
-        self.n_in = len(in_shape)
-        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
-        self.ops = ops
-        self.name = name
-        if ops.fp8 is not None:
-            self.fp8_meta = Fp8MetaState(fp8_lib.init_meta(ops.fp8.recipe))
-
-    def __call__(self, x, fp8: bool = False):
-        return self.apply(x, self.weights(), fp8)
-
-    def weights(self):
-        """(kernel, FP8 meta or None): what `apply` computes with, as arrays."""
-        return self.kernel[...], (self.fp8_meta.get_value() if self.ops.fp8 is not None
-                                  else None)
-
-    def apply(self, x, weights, fp8: bool = False):
-        """The projection of x with `weights` (from `weights()`), reading no variable itself:
-        callable where only explicit arrays may enter (a custom VJP's function)."""
-        kernel, meta = weights
-        w = kernel.astype(self.compute_dtype)
-        n = self.n_in
-        dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
-        x = x.astype(self.compute_dtype)
-        if fp8:
-            if self.ops.fp8 is None:
-                raise fp8_lib.Fp8Error(f"{self.name}: fp8=True but the model was built without "
-                                       "Ops.fp8 (no FP8 meta); set fp8.enabled=true")
-            return fp8_lib.fp8_dot_general(x, w, dims, meta=meta, cfg=self.ops.fp8.recipe,
-                                           name=self.name)
-        return self.ops.dot_general(x, w, dims)
-
-
-def project_gathered(gather, x, projections, fp8: bool):
-    """The projections (Dense) of gather(x), the whole sequence, gathered once for all of them;
-    the backward gathers x again for the weight gradients instead of keeping gather(x)
-    (Megatron-SP: a layer keeps its sequence-parallel shard). Left to GSPMD, each projection
-    gathers x itself and again in the backward (14 sequence-sized all-gathers per layer, 6
-    here); a gather shared and kept holds the whole sequence per layer (+20 GiB at Llama 70B,
-    tensor=8). Without sequence parallelism `gather` is the identity and nothing changes.
-
-    The backward re-traces the projections for their VJP; their forward GEMMs, unused there,
-    are dead code XLA removes (the compiled matmul FLOPs are unchanged)."""
-    def run(xg, weights):
-        return tuple(p.apply(xg, w, fp8) for p, w in zip(projections, weights))
-
-    @jax.custom_vjp
-    def projected(x, weights):
-        return run(gather(x), weights)
-
-    def fwd(x, weights):
-        return run(gather(x), weights), (x, weights)
-
-    def bwd(saved, cts):
-        x, weights = saved
-        xg, pull_gather = jax.vjp(gather, x)
-        _, pull = jax.vjp(run, xg, weights)
-        d_xg, d_weights = pull(cts)
-        return pull_gather(d_xg)[0], d_weights
-
-    projected.defvjp(fwd, bwd)
-    return projected(x, tuple(p.weights() for p in projections))
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs):
-        self.scale = _param(rngs, jax.nn.initializers.ones, (cfg.hidden_size,), ("norm",),
-                            jnp.dtype(cfg.param_dtype))
-        self.eps = cfg.norm_eps
-        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
-
-    def __call__(self, x_BSD):
-        return rms_norm(x_BSD, self.scale[...], self.eps, self.compute_dtype)
-
-
-def _elementwise_recomputed(fn):
-    """`fn` whose backward recomputes its (cheap, elementwise) insides from its inputs instead
-    of keeping them: autodiff would otherwise hold every fp32 intermediate per layer (a 70B
-    layer's norms kept 4 fp32 copies of the residual stream, its SwiGLU 5 MLP-sized tensors
-    where Megatron keeps 3). The inputs are kept anyway (the residual stream, the in-projection
-    outputs), so this costs no memory and a few elementwise passes."""
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
-
-
-def _gather_sequence(constrain):
-    """x -> x with every position of its context shard (the projections' input), from its
-    SP shards."""
-    return lambda x_BSD: constrain(x_BSD, ("batch", "sequence", "embed"))
-
-
-def _split_sequence(constrain):
-    """y -> y in the residual stream's layout (split over the sequence under SP)."""
-    return lambda y_BSD: constrain(y_BSD, ("batch", "length", "embed"))
-
-
-def project_scattered(gather, scatter, x, projection, fp8: bool):
-    """scatter(projection(x)): a row-parallel projection whose output joins the residual
-    stream (reduce-scattered over the sequence under sequence parallelism). Its backward
-    gathers the output's cotangent once for both of the projection's gradients (GSPMD left to
-    itself gathers it once per gradient GEMM: 2 of the 8 sequence-sized all-gathers a layer
-    would run)."""
-    weights = projection.weights()
-    apply = lambda x_, w_: projection.apply(x_, w_, fp8)  # noqa: E731
-
-    @jax.custom_vjp
-    def projected(x, weights):
-        return scatter(apply(x, weights))
-
-    def fwd(x, weights):
-        y, pull = jax.vjp(apply, x, weights)   # keeps what autodiff would keep
-        return scatter(y), pull
-
-    def bwd(pull, ct):
-        return pull(gather(ct))
-
-    projected.defvjp(fwd, bwd)
-    return projected(x, weights)
-
-
-def rms_norm(x_BSD, scale_D, eps: float, compute_dtype):
-    """RMSNorm with its statistics in fp32 whatever the compute dtype."""
-    @_elementwise_recomputed
-    def norm(x_BSD, scale_D):
-        x = x_BSD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-        return (x * scale_D.astype(jnp.float32)).astype(compute_dtype)
-    return norm(x_BSD, scale_D)
-
-
-@_elementwise_recomputed
-def swiglu(gate_BSF, up_BSF):
-    return jax.nn.silu(gate_BSF) * up_BSF
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -304,7 +155,7 @@ class Attention(nnx.Module):
     def __call__(self, x_BSD, cos, sin, segment_ids_BS, fp8: bool = False):
         """x_BSD: the norm output, split over the sequence under sequence parallelism."""
         c = self.ops.constrain
-        q_BSHE, k_BSKE, v_BSKE = project_gathered(_gather_sequence(c), x_BSD,
+        q_BSHE, k_BSKE, v_BSKE = project_gathered(gather_sequence(c), x_BSD,
                                                   (self.wq, self.wk, self.wv), fp8)
         q_BSHE = c(checkpoint_name(q_BSHE, "qkv_proj"), ("batch", "sequence", "heads", None))
         k_BSKE = c(checkpoint_name(k_BSKE, "qkv_proj"), ("batch", "sequence", "kv_heads", None))
@@ -312,41 +163,51 @@ class Attention(nnx.Module):
         q_BSHE, k_BSKE = apply_rope(q_BSHE, cos, sin), apply_rope(k_BSKE, cos, sin)
         o_BSHE = self.ops.attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS)
         o_BSHE = c(checkpoint_name(o_BSHE, "core_attn"), ("batch", "sequence", "heads", None))
-        return checkpoint_name(project_scattered(_gather_sequence(c), _split_sequence(c), o_BSHE,
+        return checkpoint_name(project_scattered(gather_sequence(c), split_sequence(c), o_BSHE,
                                                  self.wo, fp8), "attn_out")
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, rngs):
-        d, f = cfg.hidden_size, cfg.mlp_size
+    def __init__(self, cfg: ModelConfig, ops: Ops, rngs, size: int = 0, name: str = "blocks/mlp"):
+        """A SwiGLU of `size` (default model.mlp_size); the MoE's shared experts are one."""
+        d, f = cfg.hidden_size, size or cfg.mlp_size
         kw = dict(cfg=cfg, ops=ops, rngs=rngs)
         self.w_gate = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d),
-                            name="blocks/mlp/w_gate", **kw)
+                            name=f"{name}/w_gate", **kw)
         self.w_up = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d),
-                          name="blocks/mlp/w_up", **kw)
+                          name=f"{name}/w_up", **kw)
         self.w_down = Dense((f,), (d,), ("mlp", "embed"),
-                            std=1.0 / math.sqrt(f * 2 * cfg.num_layers), name="blocks/mlp/w_down",
+                            std=1.0 / math.sqrt(f * 2 * cfg.num_layers), name=f"{name}/w_down",
                             **kw)
         self.ops = ops
 
     def __call__(self, x_BSD, fp8: bool = False):
         """x_BSD: the norm output, split over the sequence under sequence parallelism."""
         c = self.ops.constrain
-        gate_BSF, up_BSF = project_gathered(_gather_sequence(c), x_BSD,
+        gate_BSF, up_BSF = project_gathered(gather_sequence(c), x_BSD,
                                             (self.w_gate, self.w_up), fp8)
         gate_BSF = c(checkpoint_name(gate_BSF, "mlp_in"), ("batch", "sequence", "mlp"))
         up_BSF = c(checkpoint_name(up_BSF, "mlp_in"), ("batch", "sequence", "mlp"))
         h_BSF = checkpoint_name(swiglu(gate_BSF, up_BSF), "mlp_act")
-        return checkpoint_name(project_scattered(_gather_sequence(c), _split_sequence(c), h_BSF,
+        return checkpoint_name(project_scattered(gather_sequence(c), split_sequence(c), h_BSF,
                                                  self.w_down, fp8), "mlp_out")
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, rngs):
+    """Attention and an MLP; with `moe` the MLP is a mixture of experts, and the block returns
+    (x, the layer's moe.MoeStats)."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg, rngs)
         self.attn = Attention(cfg, ops, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = Mlp(cfg, ops, rngs)
+        if moe:
+            shared = (Mlp(cfg, ops, rngs, size=cfg.shared_mlp_size, name="blocks/moe/shared")
+                      if cfg.shared_mlp_size else None)
+            self.moe = moe_lib.MoeLayer(cfg, ops, rngs, shared=shared)
+        else:
+            self.mlp = Mlp(cfg, ops, rngs)
+        self.is_moe = moe
         self.ops = ops
 
     def __call__(self, x_BSD, cos, sin, segment_ids_BS, fp8: bool = False):
@@ -356,7 +217,19 @@ class Block(nnx.Module):
         h_BSD = c(checkpoint_name(self.attn_norm(x_BSD), "attn_norm"), residual)
         x_BSD = x_BSD + c(self.attn(h_BSD, cos, sin, segment_ids_BS, fp8), residual)
         h_BSD = c(checkpoint_name(self.mlp_norm(x_BSD), "mlp_norm"), residual)
+        if self.is_moe:
+            y_BSD, stats = self.moe(h_BSD)
+            return x_BSD + c(y_BSD, residual), stats
         return x_BSD + c(self.mlp(h_BSD, fp8), residual)
+
+
+def _stack(cfg: ModelConfig, ops: Ops, rngs, n: int, moe: bool):
+    """n Blocks created stacked (logical axis `layers` first)."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Block(cfg, ops, rngs, moe=moe)
+    return make(rngs)
 
 
 def scan_layers(block_fn, x_BSD, stacked_state):
@@ -374,19 +247,23 @@ class Llama(nnx.Module):
         self.ops = ops
         self.real_vocab = real_vocab or cfg.vocab_size
         pdt = jnp.dtype(cfg.param_dtype)
-        self.embed = _param(rngs, _real_vocab_rows(_normal(1.0), self.real_vocab, axis=0),
+        self.embed = param(rngs, _real_vocab_rows(normal(1.0), self.real_vocab, axis=0),
                             (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pdt)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(cfg, ops, rngs)
-
-        self.blocks = make_blocks(rngs)
+        # `blocks` stacks the MoE layers when there are any, else all of them; a model mixing
+        # kinds keeps its dense layers in `dense_blocks` (stack.py runs the two as groups).
+        kinds = cfg.moe_layers
+        self.has_moe = any(kinds)
+        if self.has_moe and ops.fp8 is not None:
+            raise ValueError("Ops.fp8 with model.moe: the experts' grouped GEMMs have no FP8 "
+                             "path yet; build the MoE model without FP8")
+        self.blocks = _stack(cfg, ops, rngs, sum(kinds) or cfg.num_layers, moe=self.has_moe)
+        if self.has_moe and not all(kinds):
+            self.dense_blocks = _stack(cfg, ops, rngs, kinds.count(False), moe=False)
         self.final_norm = RMSNorm(cfg, rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(
-                rngs, _real_vocab_rows(_normal(1.0 / math.sqrt(cfg.hidden_size)),
+            self.lm_head = param(
+                rngs, _real_vocab_rows(normal(1.0 / math.sqrt(cfg.hidden_size)),
                                        self.real_vocab, axis=1),
                 (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdt)
 
@@ -401,19 +278,29 @@ class Llama(nnx.Module):
             x_BSD = self.ops.embed_lookup(table_VD, tokens_BS)
         return c(x_BSD, ("batch", "length", "embed"))
 
-    def block_fn(self):
-        """(layer_state, x, cos, sin, segment_ids, fp8=False) -> x for one layer, and the
-        stacked state (FP8 metas included). `fp8=True` runs the layer's projections in FP8."""
-        graphdef, state = nnx.split(self.blocks)
+    def block_fn(self, dense: bool = False):
+        """(layer_state, x, cos, sin, segment_ids, fp8=False) -> x for one layer of `blocks`
+        (an MoE layer: -> (x, moe.MoeStats)), and the stacked state (FP8 metas included);
+        `dense=True`: the same for `dense_blocks`. `fp8=True` runs the layer's projections in
+        FP8."""
+        graphdef, state = nnx.split(self.dense_blocks if dense else self.blocks)
 
         def apply(layer_state, x_BSD, cos, sin, segment_ids_BS, fp8: bool = False):
             return nnx.merge(graphdef, layer_state)(x_BSD, cos, sin, segment_ids_BS, fp8)
         return apply, state
 
+    def _runner(self, start: int, stop: int):
+        if self.ops.span_runner is not None:
+            return self.ops.span_runner(start, stop)
+        return self.ops.run_layers or scan_layers
+
     def run_blocks(self, x_BSD, positions_BS, segment_ids_BS, use_fp8: bool = True):
-        """The layer stack; `use_fp8=False` runs every layer in the compute dtype (e.g. an
-        evaluation without FP8 scales)."""
+        """The layer stack: x, or with MoE layers (x, moe.MoeStats summed over them);
+        `use_fp8=False` runs every layer in the compute dtype (e.g. an evaluation without FP8
+        scales)."""
         cos, sin = rope_tables(self.cfg, positions_BS)
+        if self.has_moe:
+            return self._run_moe_stack(x_BSD, cos, sin, segment_ids_BS)
         apply, state = self.block_fn()
         n = self.cfg.num_layers
         for start, stop, span_fp8 in layer_spans(n, self.ops.fp8):
@@ -422,12 +309,38 @@ class Llama(nnx.Module):
             # Slicing copies the range's layer state; the common cases (one range) do not.
             part = state if (start, stop) == (0, n) else jax.tree.map(
                 lambda a, start=start, stop=stop: a[start:stop], state)
-            if self.ops.span_runner is not None:
-                run = self.ops.span_runner(start, stop)
-            else:
-                run = self.ops.run_layers or scan_layers
-            x_BSD = run(block_fn, x_BSD, part)
+            x_BSD = self._runner(start, stop)(block_fn, x_BSD, part)
         return x_BSD
+
+    def _run_moe_stack(self, x_BSD, cos, sin, segment_ids_BS):
+        """The stack as stack.py's groups. Groups holding MoE layers carry (x, MoeStats);
+        groups of dense layers only carry x."""
+        kinds = self.cfg.moe_layers
+        moe_apply, moe_state = self.block_fn()
+        states, rows = {stack_lib.MOE: moe_state}, {stack_lib.MOE: sum(kinds)}
+        if not all(kinds):
+            dense_apply, states[stack_lib.DENSE] = self.block_fn(dense=True)
+            rows[stack_lib.DENSE] = kinds.count(False)
+
+        def moe_layer(s, carry):
+            x, stats = carry
+            x, layer_stats = moe_apply(s, x, cos, sin, segment_ids_BS)
+            return x, stats + layer_stats
+
+        def dense_layer(s, x):
+            return dense_apply(s, x, cos, sin, segment_ids_BS)
+
+        apply = {stack_lib.MOE: moe_layer,
+                 stack_lib.DENSE: lambda s, carry: (dense_layer(s, carry[0]), carry[1])}
+        x, stats = x_BSD, moe_lib.MoeStats.zeros()
+        for group in stack_lib.layer_groups(kinds, self.cfg.moe.layer_freq):
+            part = stack_lib.group_state(group, states, rows)
+            run = self._runner(group.start, group.stop)
+            if stack_lib.MOE in group.unit:
+                x, stats = run(stack_lib.unit_fn(group, apply), (x, stats), part)
+            else:
+                x = run(stack_lib.unit_fn(group, {stack_lib.DENSE: dense_layer}), x, part)
+        return x, stats
 
     def logits(self, x_BSD):
         h_BSD = self.final_norm(x_BSD)
@@ -445,12 +358,16 @@ class Llama(nnx.Module):
         return self.ops.constrain(logits_BSV, ("batch", "length", "vocab"))
 
     def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None, use_fp8: bool = True):
+        """Logits [B, S, V] fp32; with MoE layers (logits, moe.MoeStats of the forward)."""
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
         if segment_ids_BS is None:
             segment_ids_BS = jnp.ones_like(tokens_BS)
         x_BSD = self.embed_tokens(tokens_BS)
         x_BSD = self.run_blocks(x_BSD, positions_BS, segment_ids_BS, use_fp8)
+        if self.has_moe:
+            x_BSD, stats = x_BSD
+            return self.logits(x_BSD), stats
         return self.logits(x_BSD)
 
 

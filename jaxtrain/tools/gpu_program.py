@@ -12,7 +12,8 @@ folder (`compiler_options={"xla_dump_to": DIR}`):
   synchronous one, is exposed whatever the hardware does).
 - `kernels`: each Pallas (Triton custom-call) kernel's grid, threads and shared memory from
   the thunk sequence, and its registers and spills from ptxas (the nvidia-cuda-nvcc wheel
-  that jax[cuda12] installs) run on the kernel's PTX for sm_90a.
+  that jax[cuda12] installs) run on the kernel's PTX for sm_90a; `mosaic_kernels`: the same
+  for Mosaic GPU kernels, from what their compiler writes under compat.mosaic_gpu_dump.
 """
 from __future__ import annotations
 
@@ -226,6 +227,39 @@ def kernels(dump_dir: str | pathlib.Path, names: set[str]) -> list[Kernel]:
     return out
 
 
+# A Mosaic kernel's launch in its pass log: `gpu.launch ... blocks(...) in (%a = %c132, ...)
+# threads(...) in (%b = %c128, ...) dynamic_shared_memory_size %c131104_i32`.
+_MOSAIC_LAUNCH_RE = re.compile(r"blocks\([^)]*\) in \(%\w+ = %c(\d+), %\w+ = %c(\d+), %\w+ = "
+                               r"%c(\d+)\) threads\([^)]*\) in \(%\w+ = %c(\d+).*"
+                               r"dynamic_shared_memory_size %c(\d+)_i32")
+
+
+def mosaic_kernels(dump_dir: str | pathlib.Path) -> list[Kernel]:
+    """Resources of the Mosaic GPU kernels compiled under `compat.mosaic_gpu_dump(dump_dir)`:
+    registers and spills from the ptxas report Mosaic writes per kernel, the launch (grid,
+    threads, dynamic shared memory) from its pass log."""
+    out = []
+    for report in sorted(pathlib.Path(dump_dir).glob("*.ptxas")):
+        info = report.read_text()
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+        launch = None
+        with open(report.with_suffix(".mlir-passes.log"), errors="replace") as log:
+            for line in log:   # the log is large; the launch appears early
+                launch = _MOSAIC_LAUNCH_RE.search(line)
+                if launch:
+                    break
+        if launch is None:
+            raise FileNotFoundError(f"{report.with_suffix('.mlir-passes.log')} holds no kernel "
+                                    "launch: compile under compat.mosaic_gpu_dump(folder)")
+        grid, threads, smem = launch.groups()[:3], launch.group(4), launch.group(5)
+        out.append(Kernel(report.stem, tuple(map(int, grid)), (int(threads),), int(smem),
+                          int(regs.group(1)) if regs else None,
+                          int(spill.group(1)) if spill else None,
+                          int(spill.group(2)) if spill else None))
+    return out
+
+
 # ----------------------------------------------------------------------------- the report
 
 @dataclasses.dataclass
@@ -243,6 +277,8 @@ class GpuReport:
              xla_options: dict | None = None, collectives=None):
         names = pallas_kernel_names(text)
         ks = kernels(dump_dir, names) if names and dump_dir is not None else []
+        if dump_dir is not None:   # compiled under compat.mosaic_gpu_dump(dump_dir)
+            ks += mosaic_kernels(dump_dir)
         return cls(gemm_summary(gemms(text)), async_collectives(text, mesh, collectives), ks,
                    device_memory, total_bytes, dict(xla_options or {}))
 
@@ -277,7 +313,7 @@ class GpuReport:
             out.append(f"    {label:14} {hidden / 1e9:10.3f} of {all_ / 1e9:10.3f} GB  "
                        f"{hidden / all_ if all_ else 0:6.1%}")
         if self.kernels:
-            out.append("  Pallas kernels        grid              threads  smem KiB  regs  spills")
+            out.append("  Pallas/Mosaic kernels grid              threads  smem KiB  regs  spills")
             for k in self.kernels:
                 spills = "-" if k.spill_stores is None else f"{k.spill_stores}/{k.spill_loads} B"
                 out.append(f"    {k.name:22} {str(list(k.grid)):16} {k.threads[0]:7d}  "

@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints <-> jaxtrain params.
+"""Hugging Face Llama and Mixtral checkpoints <-> jaxtrain params.
 
     python -m jaxtrain.hf import --hf-dir HF_DIR --out DIR
         HF_DIR (config.json + *.safetensors, sharded or not) -> DIR/params.safetensors (our pure
@@ -7,7 +7,19 @@
     python -m jaxtrain.hf export --checkpoint PATH [--step N] --out HF_DIR [--dtype bfloat16]
         PATH is an import DIR, a training workdir (latest or --step checkpoint) or one of its
         checkpoints/<step> folders -> HF config.json + model.safetensors (sharded past
-        --max-shard-gb), loadable by transformers.LlamaForCausalLM.from_pretrained.
+        --max-shard-gb), loadable by transformers.LlamaForCausalLM (or, with model.moe,
+        MixtralForCausalLM).from_pretrained.
+
+Mixtral. Every layer is MoE: the router `block_sparse_moe.gate` [E, D] is our
+`blocks/moe/router` [D, E]; expert j's w1 / w3 / w2 are rows j of our stacked `w_gate`,
+`w_up` ([E, D, F]) and `w_down` ([E, F, D]), transposed like the dense projections. HF's
+router (softmax over all experts, top-k, renormalised) is our default (pre_softmax=false).
+Its `router_aux_loss_coef` weighs one loss over all layers' tokens taken together, k times
+Megatron's per-layer normalisation; it maps to aux_loss_coeff = coef·k / layers (the same
+term when every layer routes alike) and back on export. Router variants transformers' Mixtral
+does not run (jitter noise, sigmoid scores, no top-k renormalisation, shared experts) are
+refused, as are models HF's Mixtral cannot express on export (dense layers, shared experts,
+pre_softmax).
 
 Layout. HF Linear weights are [out, in]; our kernels are [in, out] with heads split, and
 per-layer weights are stacked on a leading L axis. Both use rotate-half RoPE on the same
@@ -34,12 +46,21 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from jaxtrain.config import Config, ConfigError, ModelConfig, RopeScaling, from_dict
-from jaxtrain.weights import (PARAMS_FILE, HfConversionError, refuse_overwrite, set_path,
-                              write_safetensors, load_params, read_safetensors, save_params)
+from jaxtrain.config import Config, ConfigError, ModelConfig, MoeConfig, RopeScaling
+from jaxtrain.weights import (PARAMS_FILE, HfConversionError, read_checkpoint,
+                              read_safetensors_folder, refuse_overwrite, save_params, set_path,
+                              write_safetensors_shards)
 
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+# Router keys of other MoE families that transformers' Mixtral would silently ignore:
+# (key, the value Mixtral's router means, what the other value would be)
+_FOREIGN_ROUTER_KEYS = (("scoring_func", "softmax", "sigmoid or other scores"),
+                        ("norm_topk_prob", True, "top-k weights left unnormalised"),
+                        ("n_shared_experts", None, "shared experts"),
+                        ("routed_scaling_factor", 1.0, "scaled routed outputs"),
+                        ("topk_method", None, "group-limited routing"))
 _NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
               "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -50,9 +71,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def model_config_from_hf(hf_config: dict) -> ModelConfig:
     """A `ModelConfig` from a HF Llama `config.json` dict (transformers 4.x or 5.x layout)."""
     c = hf_config
-    if c.get("model_type", "llama") != "llama":
+    if c.get("model_type", "llama") not in ARCHITECTURES:
         raise HfConversionError(f"model_type={c['model_type']!r} is not supported; only Llama "
-                                "('llama') checkpoints convert")
+                                "('llama') and Mixtral ('mixtral') checkpoints convert")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size"):
         if key not in c:
@@ -94,7 +115,28 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
         mlp_size=int(c["intermediate_size"]), rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_seq_len=int(c.get("max_position_embeddings", ModelConfig.max_seq_len)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        moe=_moe_from_hf(c) if c.get("model_type") == "mixtral" else None)
+
+
+def _moe_from_hf(c: dict) -> MoeConfig:
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        if key not in c:
+            raise HfConversionError(f"Mixtral config has no {key!r}")
+    if float(c.get("router_jitter_noise") or 0.0):
+        raise HfConversionError(f"router_jitter_noise={c['router_jitter_noise']} (noise on the "
+                                "router's input in training) is not supported; set it to 0")
+    for key, mixtral, other in _FOREIGN_ROUTER_KEYS:
+        if c.get(key, mixtral) != mixtral:
+            raise HfConversionError(f"{key}={c[key]!r} ({other}) is a router variant "
+                                    "transformers' Mixtral does not run and jaxtrain does not "
+                                    "import; only Mixtral's softmax top-k router converts")
+    if c.get("sliding_window") and c["sliding_window"] < c.get("max_position_embeddings", 0):
+        raise HfConversionError(f"sliding_window={c['sliding_window']} is not supported; our "
+                                "attention is causal over the whole sequence")
+    k, layers = int(c["num_experts_per_tok"]), int(c["num_hidden_layers"])
+    return MoeConfig(num_experts=int(c["num_local_experts"]), top_k=k,
+                     aux_loss_coeff=float(c.get("router_aux_loss_coef", 0.0)) * k / layers)
 
 
 def hf_config_from_model(model_cfg: ModelConfig, *, dtype: str = "float32") -> dict:
@@ -104,10 +146,11 @@ def hf_config_from_model(model_cfg: ModelConfig, *, dtype: str = "float32") -> d
     rope_scaling = None
     if m.rope_scaling is not None:
         rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(m.rope_scaling)}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    model_type = "llama" if m.moe is None else "mixtral"
+    out = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-        "intermediate_size": m.mlp_size, "num_hidden_layers": m.num_layers,
+        "intermediate_size": m.expert_mlp_size, "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads,
         "head_dim": m.resolved_head_dim, "hidden_act": "silu",
         "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
@@ -115,44 +158,86 @@ def hf_config_from_model(model_cfg: ModelConfig, *, dtype: str = "float32") -> d
         "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "torch_dtype": dtype,
     }
+    if m.moe is not None:
+        e = m.moe
+        out.update(num_local_experts=e.num_experts, num_experts_per_tok=e.top_k,
+                   router_aux_loss_coef=e.aux_loss_coeff * m.num_layers / e.top_k,
+                   router_jitter_noise=0.0, sliding_window=None)
+    return out
+
+
+def _check_mixtral(m: ModelConfig) -> None:
+    """What HF's Mixtral can express of our MoE model (export)."""
+    e = m.moe
+    for ok, what in ((all(m.moe_layers), "dense layers (moe.first_k_dense / layer_freq)"),
+                     (not m.shared_mlp_size, "shared experts"),
+                     (not e.pre_softmax, "moe.pre_softmax=true (top-k not renormalised)")):
+        if not ok:
+            raise HfConversionError(f"this MoE model has {what}, which HF's Mixtral cannot "
+                                    "express; only all-MoE models with Mixtral's router export")
 
 
 # ----------------------------------------------------------------------------- params
 
-def _layer_specs(m: ModelConfig):
-    """(HF name in layer i, our path under `blocks`, HF->ours, ours->HF, our per-layer shape)."""
-    d, h, k, e, f = m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.mlp_size
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """One HF tensor of a layer and where it lives in ours (`expert`: its row of a stacked
+    [E, ...] expert weight)."""
+    hf_name: str
+    path: tuple            # under `blocks`
+    hf_shape: tuple
+    our_shape: tuple       # of this tensor in one layer (an expert's row when `expert` is set)
+    to_ours: Any
+    to_hf: Any
+    expert: int | None = None
+
+    def layer_shape(self, m: ModelConfig) -> tuple:
+        """The per-layer shape of the array it lands in (stacked experts: [E, ...])."""
+        return self.our_shape if self.expert is None else (m.moe.num_experts, *self.our_shape)
+
+
+def _layer_specs(m: ModelConfig) -> list[_Spec]:
+    d, h, k, e = m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim
 
     def heads_out(n):  # HF [n*e, d] <-> ours [d, n, e]
-        return (lambda w: w.T.reshape(d, n, e), lambda w: w.reshape(d, n * e).T, (d, n, e))
-    wo = (lambda w: w.T.reshape(h, e, d), lambda w: w.reshape(h * e, d).T, (h, e, d))
-    same = lambda shape: (lambda w: w, lambda w: w, shape)  # noqa: E731
-    transpose = lambda shape: (lambda w: w.T, lambda w: w.T, shape)  # noqa: E731
-    return [
-        ("self_attn.q_proj.weight", ("attn", "wq", "kernel"), *heads_out(h)),
-        ("self_attn.k_proj.weight", ("attn", "wk", "kernel"), *heads_out(k)),
-        ("self_attn.v_proj.weight", ("attn", "wv", "kernel"), *heads_out(k)),
-        ("self_attn.o_proj.weight", ("attn", "wo", "kernel"), *wo),
-        ("mlp.gate_proj.weight", ("mlp", "w_gate", "kernel"), *transpose((d, f))),
-        ("mlp.up_proj.weight", ("mlp", "w_up", "kernel"), *transpose((d, f))),
-        ("mlp.down_proj.weight", ("mlp", "w_down", "kernel"), *transpose((f, d))),
-        ("input_layernorm.weight", ("attn_norm", "scale"), *same((d,))),
-        ("post_attention_layernorm.weight", ("mlp_norm", "scale"), *same((d,))),
+        return ((n * e, d), (d, n, e), lambda w: w.T.reshape(d, n, e),
+                lambda w: w.reshape(d, n * e).T)
+    wo = (d, h * e), (h, e, d), lambda w: w.T.reshape(h, e, d), lambda w: w.reshape(h * e, d).T
+    same = lambda shape: (shape, shape, lambda w: w, lambda w: w)  # noqa: E731
+    transpose = lambda shape: (shape, shape[::-1], lambda w: w.T, lambda w: w.T)  # noqa: E731
+    specs = [
+        _Spec("self_attn.q_proj.weight", ("attn", "wq", "kernel"), *heads_out(h)),
+        _Spec("self_attn.k_proj.weight", ("attn", "wk", "kernel"), *heads_out(k)),
+        _Spec("self_attn.v_proj.weight", ("attn", "wv", "kernel"), *heads_out(k)),
+        _Spec("self_attn.o_proj.weight", ("attn", "wo", "kernel"), *wo),
+        _Spec("input_layernorm.weight", ("attn_norm", "scale"), *same((d,))),
+        _Spec("post_attention_layernorm.weight", ("mlp_norm", "scale"), *same((d,))),
     ]
+    if m.moe is None:
+        f = m.mlp_size
+        return specs + [
+            _Spec("mlp.gate_proj.weight", ("mlp", "w_gate", "kernel"), *transpose((f, d))),
+            _Spec("mlp.up_proj.weight", ("mlp", "w_up", "kernel"), *transpose((f, d))),
+            _Spec("mlp.down_proj.weight", ("mlp", "w_down", "kernel"), *transpose((d, f)))]
+    f = m.expert_mlp_size
+    specs.append(_Spec("block_sparse_moe.gate.weight", ("moe", "router"),
+                       *transpose((m.moe.num_experts, d))))
+    for j in range(m.moe.num_experts):
+        for hf_w, ours, shape in (("w1", "w_gate", (f, d)), ("w3", "w_up", (f, d)),
+                                  ("w2", "w_down", (d, f))):
+            specs.append(_Spec(f"block_sparse_moe.experts.{j}.{hf_w}.weight", ("moe", ours),
+                               *transpose(shape), expert=j))
+    return specs
 
 
 def _hf_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
-    d, h, k, e, f = m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.mlp_size
-    per_layer = {"self_attn.q_proj.weight": (h * e, d), "self_attn.k_proj.weight": (k * e, d),
-                 "self_attn.v_proj.weight": (k * e, d), "self_attn.o_proj.weight": (d, h * e),
-                 "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-                 "mlp.down_proj.weight": (d, f), "input_layernorm.weight": (d,),
-                 "post_attention_layernorm.weight": (d,)}
-    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    shapes = {"model.embed_tokens.weight": (vocab, m.hidden_size),
+              "model.norm.weight": (m.hidden_size,)}
+    specs = _layer_specs(m)
     for i in range(m.num_layers):
-        shapes.update({f"model.layers.{i}.{n}": s for n, s in per_layer.items()})
+        shapes.update({f"model.layers.{i}.{s.hf_name}": s.hf_shape for s in specs})
     if not m.tie_embeddings:
-        shapes["lm_head.weight"] = (vocab, d)
+        shapes["lm_head.weight"] = (vocab, m.hidden_size)
     return shapes
 
 
@@ -167,7 +252,8 @@ def _get(tree: dict, path: Sequence[str], what: str):
 
 
 def params_from_hf(state_dict: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
-    """Our pure-dict params (numpy, `model_cfg.param_dtype`) from a HF Llama state dict.
+    """Our pure-dict params (numpy, `model_cfg.param_dtype`) from a HF Llama or Mixtral state
+    dict.
 
     `model_cfg.vocab_size` may exceed the checkpoint's vocab: the extra embedding rows (and
     lm_head columns) are zeros. Unknown tensors are an error, so no weight is silently dropped.
@@ -211,18 +297,23 @@ def params_from_hf(state_dict: dict[str, np.ndarray], model_cfg: ModelConfig) ->
                               "final_norm": {"scale": fetch("model.norm.weight").astype(dtype)}}
     if not m.tie_embeddings:
         params["lm_head"] = np.ascontiguousarray(pad_rows(fetch("lm_head.weight")).T)
-    for hf_name, path, to_ours, _, shape in _layer_specs(m):
+    stacks: dict = {}
+    for spec in _layer_specs(m):
         # Fill a preallocated [L, ...] array layer by layer: one copy of the weights in memory.
-        stacked = np.empty((m.num_layers, *shape), dtype)
+        if spec.path not in stacks:
+            stacks[spec.path] = np.empty((m.num_layers, *spec.layer_shape(m)), dtype)
         for i in range(m.num_layers):
-            stacked[i] = to_ours(fetch(f"model.layers.{i}.{hf_name}"))
+            stacked = stacks[spec.path]
+            row = stacked[i] if spec.expert is None else stacked[i, spec.expert]
+            row[...] = spec.to_ours(fetch(f"model.layers.{i}.{spec.hf_name}"))
+    for path, stacked in stacks.items():
         set_path(params, ("blocks", *path), stacked)
     return params
 
 
 def params_to_hf(params: dict, model_cfg: ModelConfig, *, dtype: str | None = None
                  ) -> dict[str, np.ndarray]:
-    """A HF Llama state dict from our pure-dict params, keeping only the first
+    """A HF Llama (or Mixtral) state dict from our pure-dict params, keeping only the first
     `model_cfg.vocab_size` (real vocab) rows of a padded embedding. `dtype`: cast to it
     (default: the params' own dtype)."""
     m = model_cfg
@@ -232,14 +323,17 @@ def params_to_hf(params: dict, model_cfg: ModelConfig, *, dtype: str | None = No
         raise HfConversionError(f"params embed has shape {embed_VD.shape} but the config needs "
                                 f"at least ({m.vocab_size}, {m.hidden_size})")
     out = {"model.embed_tokens.weight": cast(embed_VD[:m.vocab_size])}
-    for hf_name, path, _, to_hf, shape in _layer_specs(m):
-        stacked = _get(params, ("blocks", *path), f"model.layers.*.{hf_name}")
-        if stacked.shape != (m.num_layers, *shape):
-            raise HfConversionError(
-                f"params blocks/{'/'.join(path)} has shape {stacked.shape} but the config needs "
-                f"{(m.num_layers, *shape)}")
+    if m.moe is not None:
+        _check_mixtral(m)
+    for spec in _layer_specs(m):
+        stacked = _get(params, ("blocks", *spec.path), f"model.layers.*.{spec.hf_name}")
+        shape = (m.num_layers, *spec.layer_shape(m))
+        if stacked.shape != shape:
+            raise HfConversionError(f"params blocks/{'/'.join(spec.path)} has shape "
+                                    f"{stacked.shape} but the config needs {shape}")
         for i in range(m.num_layers):
-            out[f"model.layers.{i}.{hf_name}"] = cast(to_hf(stacked[i]))
+            w = stacked[i] if spec.expert is None else stacked[i, spec.expert]
+            out[f"model.layers.{i}.{spec.hf_name}"] = cast(spec.to_hf(w))
     out["model.norm.weight"] = cast(_get(params, ("final_norm", "scale"), "model.norm.weight"))
     if not m.tie_embeddings:
         lm_head_DV = _get(params, ("lm_head",), "lm_head.weight")
@@ -254,27 +348,7 @@ def load_hf_checkpoint(hf_dir: str | pathlib.Path) -> tuple[dict, dict[str, np.n
     cfg_path = hf_dir / "config.json"
     if not cfg_path.is_file():
         raise HfConversionError(f"{hf_dir} has no config.json; pass a Hugging Face model folder")
-    hf_config = json.loads(cfg_path.read_text())
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
-        weight_map = None
-    if not files:
-        raise HfConversionError(f"{hf_dir} has no *.safetensors weights (.bin/.pth files are not "
-                                "read: re-save with safe_serialization=True)")
-    state_dict: dict[str, np.ndarray] = {}
-    for name in files:
-        if not (hf_dir / name).is_file():
-            raise HfConversionError(f"{index} names {name}, which is not in {hf_dir}")
-        state_dict.update(read_safetensors(hf_dir / name))
-    if weight_map is not None:
-        missing = sorted(set(weight_map) - set(state_dict))
-        if missing:
-            raise HfConversionError(f"{index} lists tensor {missing[0]!r} but no shard holds it")
-    return hf_config, state_dict
+    return json.loads(cfg_path.read_text()), read_safetensors_folder(hf_dir)
 
 
 def save_hf_checkpoint(out_dir: str | pathlib.Path, params: dict, model_cfg: ModelConfig, *,
@@ -284,58 +358,10 @@ def save_hf_checkpoint(out_dir: str | pathlib.Path, params: dict, model_cfg: Mod
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     refuse_overwrite(out_dir, "model*.safetensors*")
-    tensors = params_to_hf(params, model_cfg, dtype=dtype)
-    shards: list[dict] = [{}]
-    size = 0
-    for name, w in tensors.items():
-        if shards[-1] and size + w.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = w
-        size += w.nbytes
-    if len(shards) == 1:
-        write_safetensors(out_dir / "model.safetensors", tensors, "pt")
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(out_dir / fname, shard, "pt")
-            weight_map.update({name: fname for name in shard})
-        index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())},
-                 "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_safetensors_shards(out_dir, params_to_hf(params, model_cfg, dtype=dtype),
+                             max_shard_bytes)
     hf_config = hf_config_from_model(model_cfg, dtype=dtype)
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
-
-
-def read_checkpoint(path: str | pathlib.Path, step: int | None = None) -> tuple[dict, Config]:
-    """(numpy params, Config) from an import folder, a training workdir (its latest checkpoint,
-    or `step`), or a workdir's checkpoints/<step> folder."""
-    path = pathlib.Path(path)
-    if (path / PARAMS_FILE).is_file():
-        return load_params(path)
-    if (path / "checkpoints").is_dir():
-        workdir, steps_dir = path, path / "checkpoints"
-        done = sorted(int(p.name) for p in steps_dir.iterdir() if p.name.isdigit())
-        if step is None:
-            if not done:
-                raise HfConversionError(f"{steps_dir} holds no finished checkpoint")
-            step = done[-1]
-        elif step not in done:
-            raise HfConversionError(f"{steps_dir} has no step {step}; it has {done}")
-        step_dir = steps_dir / str(step)
-    elif (path / "state").is_dir() and path.parent.name == "checkpoints":
-        workdir, step_dir = path.parent.parent, path
-    else:
-        raise HfConversionError(f"--checkpoint {path}: expected an import folder (with "
-                                f"{PARAMS_FILE}), a training workdir (with checkpoints/) or a "
-                                "workdir's checkpoints/<step> folder")
-    if not (workdir / "config.json").is_file():
-        raise HfConversionError(f"{workdir} has no config.json (the trainer writes it); cannot "
-                                "tell the model's shape")
-    cfg = from_dict(json.loads((workdir / "config.json").read_text()))
-    from jaxtrain.checkpoint import read_params
-    return read_params(step_dir, cfg.model.num_layers), cfg
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -348,10 +374,7 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path) -> Config
     params = params_from_hf(state_dict, cfg.model)
     out_dir.mkdir(parents=True, exist_ok=True)
     refuse_overwrite(out_dir, PARAMS_FILE)  # before copying anything into it
-    if (hf_dir / "tokenizer.json").is_file():
-        for name in TOKENIZER_FILES:
-            if (hf_dir / name).is_file():
-                shutil.copyfile(hf_dir / name, out_dir / name)
+    if _copy_tokenizer(hf_dir, out_dir):
         cfg.data.tokenizer = str(out_dir.resolve())
     save_params(out_dir, params, cfg)
     return cfg
@@ -364,16 +387,24 @@ def export_hf(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path, *,
     params, cfg = read_checkpoint(checkpoint, step)
     save_hf_checkpoint(out_dir, params, cfg.model, dtype=dtype, max_shard_bytes=max_shard_bytes)
     tok = pathlib.Path(cfg.data.tokenizer)
-    tok_dir = tok if tok.is_dir() else tok.parent
-    if cfg.data.tokenizer != "byte" and (tok_dir / "tokenizer.json").is_file():
-        for name in TOKENIZER_FILES:
-            if (tok_dir / name).is_file():
-                shutil.copyfile(tok_dir / name, pathlib.Path(out_dir) / name)
+    if cfg.data.tokenizer != "byte":
+        _copy_tokenizer(tok if tok.is_dir() else tok.parent, pathlib.Path(out_dir))
+
+
+def _copy_tokenizer(src: pathlib.Path, dst: pathlib.Path) -> bool:
+    """Copy a Hugging Face tokenizer's files from src to dst, if src holds one."""
+    if not (src / "tokenizer.json").is_file():
+        return False
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.hf",
-                                     description="Convert Llama checkpoints to/from Hugging Face.")
+                                     description="Convert Llama and Mixtral checkpoints to/from "
+                                     "Hugging Face.")
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF folder -> params.safetensors + config.json + recipe.py")
     imp.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")

@@ -1,0 +1,171 @@
+"""What the blocks build from: parameters with logical axis names and their initializers, the
+projection (Dense, FP8-capable) and its sequence-parallel gather/scatter forms, RMSNorm, and
+the SwiGLU product. The dense and the mixture-of-experts blocks (llama.py, moe.py) share them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.model import fp8 as fp8_lib
+
+
+def param(rngs: nnx.Rngs, init, shape, axes, dtype):
+    """A parameter drawn by `init`, carrying logical axis names (never a mesh axis)."""
+    value = init(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def normal(std):
+    return jax.nn.initializers.normal(stddev=std)
+
+
+def elementwise_recomputed(fn):
+    """`fn` whose backward recomputes its (cheap, elementwise) insides from its inputs instead
+    of keeping them: autodiff would otherwise hold every fp32 intermediate per layer (a 70B
+    layer's norms kept 4 fp32 copies of the residual stream, its SwiGLU 5 MLP-sized tensors
+    where Megatron keeps 3). The inputs are kept anyway (the residual stream, the in-projection
+    outputs), so this costs no memory and a few elementwise passes."""
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+@elementwise_recomputed
+def swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+class Fp8MetaState(nnx.Variable):
+    """An `fp8.Fp8Meta` (scales, amax histories): train state outside `params`, never optimised."""
+
+
+class Dense(nnx.Module):
+    """A projection: contracts x's last `len(in_shape)` dims with the kernel's leading dims.
+
+    With `ops.fp8` it also owns an FP8 meta; `fp8=True` calls then run in FP8 (x is the E4M3
+    activation operand, the kernel the E4M3 weight operand, gradients E5M2).
+    """
+
+    def __init__(self, in_shape, out_shape, axes, *, cfg: ModelConfig, ops, rngs, std,
+                 name: str):
+        """`ops`: the model's llama.Ops (its dot_general and FP8 plan)."""
+        self.kernel = param(rngs, normal(std), (*in_shape, *out_shape), axes,
+                            jnp.dtype(cfg.param_dtype))
+        self.n_in = len(in_shape)
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+        self.ops = ops
+        self.name = name
+        if ops.fp8 is not None:
+            self.fp8_meta = Fp8MetaState(fp8_lib.init_meta(ops.fp8.recipe))
+
+    def __call__(self, x, fp8: bool = False):
+        return self.apply(x, self.weights(), fp8)
+
+    def weights(self):
+        """(kernel, FP8 meta or None): what `apply` computes with, as arrays."""
+        return self.kernel[...], (self.fp8_meta.get_value() if self.ops.fp8 is not None
+                                  else None)
+
+    def apply(self, x, weights, fp8: bool = False):
+        """The projection of x with `weights` (from `weights()`), reading no variable itself:
+        callable where only explicit arrays may enter (a custom VJP's function)."""
+        kernel, meta = weights
+        w = kernel.astype(self.compute_dtype)
+        n = self.n_in
+        dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
+        x = x.astype(self.compute_dtype)
+        if fp8:
+            if self.ops.fp8 is None:
+                raise fp8_lib.Fp8Error(f"{self.name}: fp8=True but the model was built without "
+                                       "Ops.fp8 (no FP8 meta); set fp8.enabled=true")
+            return fp8_lib.fp8_dot_general(x, w, dims, meta=meta, cfg=self.ops.fp8.recipe,
+                                           name=self.name)
+        return self.ops.dot_general(x, w, dims)
+
+
+def project_gathered(gather, x, projections, fp8: bool):
+    """The projections (Dense) of gather(x), the whole sequence, gathered once for all of them;
+    the backward gathers x again for the weight gradients instead of keeping gather(x)
+    (Megatron-SP: a layer keeps its sequence-parallel shard). Left to GSPMD, each projection
+    gathers x itself and again in the backward (14 sequence-sized all-gathers per layer, 6
+    here); a gather shared and kept holds the whole sequence per layer (+20 GiB at Llama 70B,
+    tensor=8). Without sequence parallelism `gather` is the identity and nothing changes.
+
+    The backward re-traces the projections for their VJP; their forward GEMMs, unused there,
+    are dead code XLA removes (the compiled matmul FLOPs are unchanged)."""
+    def run(xg, weights):
+        return tuple(p.apply(xg, w, fp8) for p, w in zip(projections, weights))
+
+    @jax.custom_vjp
+    def projected(x, weights):
+        return run(gather(x), weights)
+
+    def fwd(x, weights):
+        return run(gather(x), weights), (x, weights)
+
+    def bwd(saved, cts):
+        x, weights = saved
+        xg, pull_gather = jax.vjp(gather, x)
+        _, pull = jax.vjp(run, xg, weights)
+        d_xg, d_weights = pull(cts)
+        return pull_gather(d_xg)[0], d_weights
+
+    projected.defvjp(fwd, bwd)
+    return projected(x, tuple(p.weights() for p in projections))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs):
+        self.scale = param(rngs, jax.nn.initializers.ones, (cfg.hidden_size,), ("norm",),
+                            jnp.dtype(cfg.param_dtype))
+        self.eps = cfg.norm_eps
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+
+    def __call__(self, x_BSD):
+        return rms_norm(x_BSD, self.scale[...], self.eps, self.compute_dtype)
+
+
+def gather_sequence(constrain):
+    """x -> x with every position of its context shard (the projections' input), from its
+    SP shards."""
+    return lambda x_BSD: constrain(x_BSD, ("batch", "sequence", "embed"))
+
+
+def split_sequence(constrain):
+    """y -> y in the residual stream's layout (split over the sequence under SP)."""
+    return lambda y_BSD: constrain(y_BSD, ("batch", "length", "embed"))
+
+
+def project_scattered(gather, scatter, x, projection, fp8: bool):
+    """scatter(projection(x)): a row-parallel projection whose output joins the residual
+    stream (reduce-scattered over the sequence under sequence parallelism). Its backward
+    gathers the output's cotangent once for both of the projection's gradients (GSPMD left to
+    itself gathers it once per gradient GEMM: 2 of the 8 sequence-sized all-gathers a layer
+    would run)."""
+    weights = projection.weights()
+    apply = lambda x_, w_: projection.apply(x_, w_, fp8)  # noqa: E731
+
+    @jax.custom_vjp
+    def projected(x, weights):
+        return scatter(apply(x, weights))
+
+    def fwd(x, weights):
+        y, pull = jax.vjp(apply, x, weights)   # keeps what autodiff would keep
+        return scatter(y), pull
+
+    def bwd(pull, ct):
+        return pull(gather(ct))
+
+    projected.defvjp(fwd, bwd)
+    return projected(x, weights)
+
+
+def rms_norm(x_BSD, scale_D, eps: float, compute_dtype):
+    """RMSNorm with its statistics in fp32 whatever the compute dtype."""
+    @elementwise_recomputed
+    def norm(x_BSD, scale_D):
+        x = x_BSD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+        return (x * scale_D.astype(jnp.float32)).astype(compute_dtype)
+    return norm(x_BSD, scale_D)
