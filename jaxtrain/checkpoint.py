@@ -295,7 +295,7 @@ def read_layer_order(step_dir: str | pathlib.Path, num_layers: int) -> LayerOrde
 def read_saved_params(step_dir: str | pathlib.Path) -> dict:
     """Only the params of a checkpoint step folder, as host numpy arrays (any device count),
     in the layer order they were saved in."""
-    state_dir = pathlib.Path(step_dir) / "state"
+    state_dir = pathlib.Path(step_dir).absolute() / "state"  # orbax wants absolute paths
     ckptr = ocp.PyTreeCheckpointer()
     tree = compat.saved_tree_metadata(ckptr, state_dir)
     if "params" not in tree:

@@ -89,6 +89,8 @@ def logical_partition_specs(abstract_state):
 
 def saved_tree_metadata(checkpointer, directory):
     """The array metadata tree of a saved PyTree item (orbax returns it bare or wrapped in
-    `.item_metadata.tree`, by version)."""
-    meta = checkpointer.metadata(directory)
+    `.item_metadata.tree`, by version). The path is made absolute: orbax 0.11 reads no item
+    metadata under a relative one (a bare StepMetadata comes back)."""
+    import pathlib
+    meta = checkpointer.metadata(pathlib.Path(directory).absolute())
     return getattr(getattr(meta, "item_metadata", None), "tree", meta)
