@@ -173,6 +173,14 @@ def test_cli_error_is_one_line(corpus, tmp_path, capsys):
     code = cli_main(["prepare", "--input", str(tmp_path / "*.jsonl"), "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: --input") and "\n" not in err
+    # Bytes that are not UTF-8 on a later line (the first is checked before the workers start)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    code = cli_main(["prepare", "--input", str(latin1), "--out", str(tmp_path / "out"),
+                     "--workers", "1", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith(f"error: {latin1} line 2 is not UTF-8 (invalid continuation byte")
 
 
 # ----------------------------------------------------------------------------- training data
@@ -308,6 +316,18 @@ def test_mixture_config_errors(mix_dirs):
         _cfg(data__source="prepared", data__mixture=f"1 {mix_dirs['a']}", data__path="x")
     with pytest.raises(data.DataError, match="is not a directory"):
         data.make_batches(_cfg(data__source="prepared", data__mixture=f"1 {mix_dirs['a']} 1 /nope"))
+    fails("No closing quotation; close the quotes", "1 'my data")
+
+
+def test_a_mixture_names_directories_with_spaces_in_quotes(mix_dirs, tmp_path):
+    spaced = tmp_path / "my data, v2"
+    spaced.symlink_to(mix_dirs["a"], target_is_directory=True)
+    quoted = _cfg(data__source="prepared", data__mixture=f"0.3 '{spaced}' 0.7 {mix_dirs['b']}")
+    plain = _cfg(data__source="prepared", data__mixture=f"0.3 {mix_dirs['a']},0.7 {mix_dirs['b']}")
+    assert config.parse_mixture(quoted.data.mixture)[0] == ("0.3", str(spaced))
+    a, b = next(data.make_batches(quoted)), next(data.make_batches(plain))
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
 
 
 # ----------------------------------------------------------------------------- training

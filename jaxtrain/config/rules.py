@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import shlex
 
 from jaxtrain.config.sections import (Config, ConfigError, DataConfig, Fp8Config, ModelConfig,
                                       ParallelConfig, parse_duration)
@@ -25,8 +26,16 @@ def _check(ok: bool, msg: str, error: type[ConfigError] = ConfigError) -> None:
 
 def parse_mixture(text: str) -> list[tuple[str, str]]:
     """`data.mixture` "0.3 A 0.7 B" (spaces or commas) -> [("0.3", "A"), ("0.7", "B")]: the
-    weights as written (exact decimals), each checked to be a number >= 0, their sum > 0."""
-    items = text.replace(",", " ").split()
+    weights as written (exact decimals), each checked to be a number >= 0, their sum > 0. A
+    directory with spaces or commas is quoted as in a shell: "0.3 'my data/web' 0.7 B"."""
+    lexer = shlex.shlex(text, posix=True)
+    lexer.whitespace += ","
+    lexer.whitespace_split = True
+    try:
+        items = list(lexer)
+    except ValueError as e:  # an unclosed quote
+        raise ConfigError(f"data.mixture={text!r}: {e}; close the quotes around a directory "
+                          "with spaces, e.g. \"0.3 'my data/web' 0.7 data/code\"") from None
     if not items or len(items) % 2:
         raise ConfigError(f"data.mixture={text!r}: expected weight/directory pairs, e.g. "
                           "'0.3 /data/web 0.7 /data/code'")
