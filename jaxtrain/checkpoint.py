@@ -12,14 +12,18 @@ is written, so a save killed half-way never looks like a checkpoint: it is repor
 removed at the next start. A failed write (full disk, lost permissions) surfaces as
 CheckpointSaveError, and the previous checkpoint stays (orbax deletes old steps only after a
 new one is committed). Damage after the commit is caught at restore: orbax and TensorStore
-reject truncated or unparsable files, and the fingerprint (a wrap-around sum of the values'
-bits, plain and index-weighted, per leaf) rejects files whose bytes changed. The trainer then
+reject truncated or unparsable files, the fingerprint (a wrap-around sum of the values'
+bits, plain and index-weighted, per leaf; a hash of the data position) rejects files whose
+bytes changed, and a step folder whose state holds another step (renamed, copied) is damage
+too (restored, every later save would collide with it). The trainer then
 resumes from the newest readable checkpoint and sets the damaged ones aside, or stops with
 CheckpointCorruptError when none is readable; it never starts fresh over checkpoints.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import pathlib
 import re
@@ -38,6 +42,7 @@ from jaxtrain.parallel.layer_order import LayerOrder
 
 LAYOUT_ITEM = "layout"
 FINGERPRINT_ITEM = "fingerprint"
+DATA_KEY = "data"  # the fingerprint's entry for the data item (no state leaf has this path)
 SET_ASIDE_SUFFIX = ".unreadable"
 
 
@@ -75,7 +80,8 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, order: LayerOrder | None = None) -> None:
         """Save asynchronously; `order`: the layer order of state's layer-stacked leaves."""
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
-                 FINGERPRINT_ITEM: ocp.args.JsonSave(fingerprint(state))}
+                 FINGERPRINT_ITEM: ocp.args.JsonSave({**fingerprint(state),
+                                                      DATA_KEY: data_fingerprint(data_state)})}
         if order is not None:
             items[LAYOUT_ITEM] = ocp.args.JsonSave(layer_order.to_json(order))
         with self._save_errors(self._in_flight):  # an earlier async save's failure lands here
@@ -97,9 +103,12 @@ class Checkpointer:
             kept = [s for s in _committed_steps(self.directory) if s != step]
             previous = (f"the latest complete checkpoint, {self.directory}/{kept[-1]}, is kept"
                         if kept else "there is no earlier checkpoint")
+            fix = ("Free disk space or fix the permissions there, then rerun to resume"
+                   if type(e).__name__ != "StepAlreadyExistsError" else
+                   f"Move {self.directory}/{step} away (it is not this run's), then rerun")
             raise CheckpointSaveError(
                 f"saving checkpoint {self.directory}/{step} failed ({_reason(e)}); {previous}. "
-                "Free disk space or fix the permissions there, then rerun to resume") from e
+                f"{fix}") from e
 
     def restore_latest(self, abstract_state, order: LayerOrder | None = None, *, warn=print):
         """(step, state, data state) of the newest checkpoint that reads back as it was saved,
@@ -112,6 +121,8 @@ class Checkpointer:
                 problem = None
             except CheckpointMismatchError:
                 raise  # the config changed: not damage, and no older step would fit either
+            except CheckpointCorruptError as e:  # read back, but not as it was saved
+                problem = str(e).removeprefix(f"{self._source(step)}: ")
             except Exception as e:  # truncated, garbage or missing files
                 problem = _reason(e)
             if _any_process(problem is not None):
@@ -161,14 +172,19 @@ class Checkpointer:
             items[FINGERPRINT_ITEM] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = restored["state"]
+        source = self._source(step)
         if has_fingerprint:
-            check_fingerprint(state, restored[FINGERPRINT_ITEM],
-                              f"checkpoint {self.directory}/{step}")
+            check_fingerprint(state, restored[FINGERPRINT_ITEM], source)
+            check_data_fingerprint(restored["data"], restored[FINGERPRINT_ITEM], source)
+        check_step(state, step, source)
         if saved != order:
             shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
             state = jax.jit(lambda s: layer_order.convert(s, saved, order),
                             out_shardings=shardings)(state)
         return state, restored["data"]
+
+    def _source(self, step: int) -> str:
+        return f"checkpoint {self.directory}/{step}"
 
     def _check_shapes(self, step, abstract_state):
         meta = self.manager.item_metadata(step)
@@ -259,6 +275,28 @@ def check_fingerprint(state, saved: dict, source: str) -> None:
         if name in saved and list(saved[name]) != value:
             raise CheckpointCorruptError(f"{source}: {name} does not hold the values that were "
                                          "saved (its fingerprint differs); the files are damaged")
+
+
+def data_fingerprint(data_state: dict) -> list[int]:
+    """Two 32-bit words of the sha256 of the data state's JSON: an edited position (or any
+    other field) reads back as damage, like the state's values."""
+    digest = hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).digest()
+    return [int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")]
+
+
+def check_data_fingerprint(data_state: dict, saved: dict, source: str) -> None:
+    if DATA_KEY in saved and list(saved[DATA_KEY]) != data_fingerprint(data_state):
+        raise CheckpointCorruptError(f"{source}: its data position does not hold what was saved "
+                                     "(its fingerprint differs); the files are damaged")
+
+
+def check_step(state, step: int, source: str) -> None:
+    """The folder's name is the step its state was saved at: a renamed or copied folder is
+    damage (restored, it would collide with the saves after it)."""
+    if isinstance(state, dict) and "step" in state and int(state["step"]) != step:
+        raise CheckpointCorruptError(f"{source}: it holds the train state of step "
+                                     f"{int(state['step'])}, not {step} (a renamed or copied "
+                                     "folder)")
 
 
 def check_shapes(have, want, source: str, *, missing: str, different: str) -> None:

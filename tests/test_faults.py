@@ -210,6 +210,14 @@ def _other_fingerprint(step_dir: pathlib.Path) -> None:
     path.write_text(json.dumps(saved))
 
 
+def _other_data_position(step_dir: pathlib.Path) -> None:
+    """The iterator position edited (48 sequences -> 32): it would resume at other data."""
+    path = step_dir / "data" / "metadata"
+    position = json.loads(path.read_text())
+    position["sequences"] -= 16
+    path.write_text(json.dumps(position))
+
+
 @pytest.fixture(scope="module")
 def stopped_at_6(tmp_path_factory) -> pathlib.Path:
     """Checkpoints 2, 4, 6 of the reference recipe (exit_interval stops it after 6)."""
@@ -221,7 +229,7 @@ def stopped_at_6(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("damage", [_truncate, _overwrite_values, _garbage_metadata,
-                                    _other_fingerprint])
+                                    _other_fingerprint, _other_data_position])
 def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, stopped_at_6, reference,
                                                              damage):
     workdir = tmp_path / "run"
@@ -233,8 +241,28 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, stopped_a
     assert len(warning) == 1 and "checkpoints/6 is unreadable" in warning[0], logged
     if damage is _other_fingerprint:
         assert "params/embed does not hold the values that were saved" in warning[0]
+    if damage is _other_data_position:
+        assert "its data position does not hold what was saved" in warning[0]
     assert "renamed it 6.unreadable and resumed from step 4" in warning[0]
     assert (workdir / "checkpoints" / "6.unreadable").is_dir()  # kept for inspection
+    assert logged_losses(workdir) == reference
+
+
+@pytest.mark.parametrize("source, resumed", [("6", "4"), ("2", "6")], ids=["renamed", "copied"])
+def test_a_step_folder_named_after_another_step_is_damage(tmp_path, stopped_at_6, reference,
+                                                          source, resumed):
+    """6 renamed 8, or 2 copied as 8: restored silently, every later save collided with the
+    folder (StepAlreadyExistsError) on every rerun. Now it is set aside like any damage."""
+    workdir = tmp_path / "run"
+    shutil.copytree(stopped_at_6, workdir)
+    steps = workdir / "checkpoints"
+    (shutil.move if source == "6" else shutil.copytree)(steps / source, steps / "8")
+    logged = []
+    trainer.train(_config(workdir, "--checkpoint.every=2"), log=logged.append)
+    warning = [line for line in logged if line.startswith("warning:")]
+    assert len(warning) == 1 and f"checkpoints/8 is unreadable (it holds the train state of " \
+        f"step {source}, not 8 (a renamed or copied folder))" in warning[0], logged
+    assert f"renamed it 8.unreadable and resumed from step {resumed}" in warning[0]
     assert logged_losses(workdir) == reference
 
 
