@@ -35,7 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import compat
+from jaxtrain import checkpoint_vocab, compat
 from jaxtrain.parallel import layer_order
 from jaxtrain.config import CheckpointConfig, ConfigError
 from jaxtrain.parallel.layer_order import LayerOrder
@@ -110,14 +110,15 @@ class Checkpointer:
                 f"saving checkpoint {self.directory}/{step} failed ({_reason(e)}); {previous}. "
                 f"{fix}") from e
 
-    def restore_latest(self, abstract_state, order: LayerOrder | None = None, *, warn=print):
+    def restore_latest(self, abstract_state, order: LayerOrder | None = None, *, warn=print,
+                       model=None):
         """(step, state, data state) of the newest checkpoint that reads back as it was saved,
         or None when there is none. Newer unreadable ones are renamed `<step>.unreadable`
         (a warning names each); when all are unreadable, CheckpointCorruptError names them."""
         unreadable: list[tuple[int, str]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                state, data_state = self.restore(step, abstract_state, order)
+                state, data_state = self.restore(step, abstract_state, order, model=model)
                 problem = None
             except CheckpointMismatchError:
                 raise  # the config changed: not damage, and no older step would fit either
@@ -153,10 +154,13 @@ class Checkpointer:
         _sync_processes(f"jaxtrain_set_aside_{step}")
         return target
 
-    def restore(self, step: int, abstract_state, order: LayerOrder | None = None):
+    def restore(self, step: int, abstract_state, order: LayerOrder | None = None, *,
+                model=None):
         """Restore `step` onto the shardings of `abstract_state` (ShapeDtypeStructs), whose
         layer-stacked leaves are in `order` (default: as saved); CheckpointCorruptError when
-        the values differ from those saved."""
+        the values differ from those saved. With `model` (the configured ModelConfig, its real
+        vocab) vocab tables padded for another tensor degree are re-padded
+        (checkpoint_vocab.py), and a shape that differs is named by its cause."""
         saved = order
         if order is not None:
             saved = read_layer_order(self.directory / str(step), order.num_layers)
@@ -165,7 +169,11 @@ class Checkpointer:
                     f"checkpoint {self.directory}/{step} holds {saved.num_layers} layers but the "
                     f"configured model has {order.num_layers}; use a fresh train.workdir")
         target = abstract_state if saved == order else _in_order(abstract_state, saved)
-        self._check_shapes(step, target)
+        saved_shapes = self._saved_shapes(step)
+        if model is not None and saved_shapes is not None:
+            target = checkpoint_vocab.as_saved(target, saved_shapes, model.vocab_size,
+                                               _path_name)
+        self._check_shapes(step, target, saved_shapes, model)
         items = {"state": ocp.args.StandardRestore(target), "data": ocp.args.JsonRestore()}
         has_fingerprint = (self.directory / str(step) / FINGERPRINT_ITEM).is_dir()
         if has_fingerprint:  # checkpoints from before fingerprints have none
@@ -177,25 +185,41 @@ class Checkpointer:
             check_fingerprint(state, restored[FINGERPRINT_ITEM], source)
             check_data_fingerprint(restored["data"], restored[FINGERPRINT_ITEM], source)
         check_step(state, step, source)
-        if saved != order:
+        repadded = jax.tree.map(lambda a, b: a.shape != b.shape, target, abstract_state)
+        if saved != order or any(jax.tree.leaves(repadded)):
             shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
-            state = jax.jit(lambda s: layer_order.convert(s, saved, order),
-                            out_shardings=shardings)(state)
+
+            def convert(s):
+                s = layer_order.convert(s, saved, order)
+                return checkpoint_vocab.repad(s, abstract_state, model.vocab_size, _path_name) \
+                    if model is not None else s
+            state = jax.jit(convert, out_shardings=shardings)(state)
         return state, restored["data"]
 
     def _source(self, step: int) -> str:
         return f"checkpoint {self.directory}/{step}"
 
-    def _check_shapes(self, step, abstract_state):
+    def _saved_shapes(self, step) -> dict | None:
+        """{leaf name: shape} of the step's saved train state (None: orbax recorded none)."""
         meta = self.manager.item_metadata(step)
         saved = meta["state"] if meta is not None else None
         if saved is None:
+            return None
+        return {_path_name(p): tuple(a.shape)
+                for p, a in jax.tree_util.tree_flatten_with_path(saved)[0]}
+
+    def _check_shapes(self, step, abstract_state, saved_shapes, model):
+        if saved_shapes is None:
             return
-        check_shapes(saved, abstract_state, f"checkpoint {self.directory}/{step}",
+
+        def different(name, have, want):
+            cause = (checkpoint_vocab.shape_cause(name, have, want, model) + ": "
+                     if model is not None else "")
+            return (f"{cause}the model config differs from the one that wrote it (compare "
+                    "config.json), or use a fresh train.workdir")
+        check_shapes(saved_shapes, abstract_state, self._source(step),
                      missing="it was written for a different model or optimizer. Use a fresh "
-                     "train.workdir",
-                     different="the model config differs from the one that wrote it (compare "
-                     "config.json), or use a fresh train.workdir")
+                     "train.workdir", different=different)
 
     def close(self) -> None:
         try:
@@ -214,6 +238,17 @@ def check_fresh_start(directory: pathlib.Path, cfg: CheckpointConfig) -> None:
             f"checkpoint.resume=false starts over, but {directory} holds checkpoints (steps "
             f"{shown}) that it would collide with; set train.workdir to a fresh folder, or "
             "move those checkpoints away (nothing was deleted)")
+
+
+def check_steps_left(directory: pathlib.Path, cfg: CheckpointConfig, steps: int) -> None:
+    """Refuse, before anything is built, a resume whose newest checkpoint lies past
+    `steps` (train.steps): it would do nothing and say nothing."""
+    done = _committed_steps(directory)
+    if cfg.resume and done and done[-1] > steps:
+        raise ConfigError(
+            f"train.steps={steps}, but {directory} already holds checkpoint {done[-1]}: nothing "
+            f"to train. Set train.workdir to a fresh folder for a new run, or train.steps above "
+            f"{done[-1]} to continue this one")
 
 
 def _committed_steps(directory: pathlib.Path) -> list[int]:
@@ -299,11 +334,13 @@ def check_step(state, step: int, source: str) -> None:
                                      "folder)")
 
 
-def check_shapes(have, want, source: str, *, missing: str, different: str) -> None:
+def check_shapes(have, want, source: str, *, missing: str, different) -> None:
     """Raise CheckpointMismatchError naming the first leaf of `want` (params first) that `have`
-    lacks or holds in another shape; both are pytrees of things with a .shape."""
-    have_shapes = {_path_name(p): tuple(a.shape)
-                   for p, a in jax.tree_util.tree_flatten_with_path(have)[0]}
+    lacks or holds in another shape; both are pytrees of things with a .shape (`have` may be
+    {leaf name: shape}). `different`: the advice, or a function (name, have, want) -> it."""
+    have_shapes = have if isinstance(have, dict) and all(isinstance(v, tuple) for v in
+                                                         have.values()) else {
+        _path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(have)[0]}
     wanted = jax.tree_util.tree_flatten_with_path(want)[0]
     wanted.sort(key=lambda pw: not _path_name(pw[0]).startswith("params"))
     for path, w in wanted:
@@ -311,9 +348,11 @@ def check_shapes(have, want, source: str, *, missing: str, different: str) -> No
         if name not in have_shapes:
             raise CheckpointMismatchError(f"{source} has no entry {name}; {missing}")
         if have_shapes[name] != tuple(w.shape):
+            advice = (different(name, have_shapes[name], tuple(w.shape)) if callable(different)
+                      else different)
             raise CheckpointMismatchError(
                 f"{source}: {name} has shape {have_shapes[name]} but the configured model needs "
-                f"{tuple(w.shape)}; {different}")
+                f"{tuple(w.shape)}; {advice}")
 
 
 def _path_name(path) -> str:

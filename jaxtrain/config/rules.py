@@ -186,6 +186,14 @@ def validate(cfg: Config) -> None:
     check_batch_split(t.global_batch, p.data, p.fsdp, p.microbatches)  # a -1 is left out
     _check(0 <= cfg.data.eval_fraction < 1, "data.eval_fraction must be in [0, 1)")
     _check(t.log_every >= 1, "train.log_every must be >= 1")
+    _check(t.lr_decay_steps >= 0, f"train.lr_decay_steps={t.lr_decay_steps} must be >= 0 (0: "
+           "decay over train.steps)")
+    _check(t.profile_steps >= 0 and t.profile_start >= 0,
+           "train.profile_start and train.profile_steps must be >= 0")
+    _check(not t.profile_steps or t.profile_start + t.profile_steps <= t.steps,
+           f"train.profile_start={t.profile_start} "
+           f"+ train.profile_steps={t.profile_steps} ends after train.steps={t.steps}: the profile "
+           "would never finish; lower them or raise train.steps")
     parse_duration(t.max_runtime, "train.max_runtime")  # a malformed one raises here
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")
