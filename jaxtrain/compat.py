@@ -94,3 +94,15 @@ def saved_tree_metadata(checkpointer, directory):
     import pathlib
     meta = checkpointer.metadata(pathlib.Path(directory).absolute())
     return getattr(getattr(meta, "item_metadata", None), "tree", meta)
+
+
+def orbax_sync_directory_options():
+    """orbax's AsyncOptions that make a save's directories in `save()` on the caller's thread
+    (None where this orbax has no such option: it then makes them in the save's own thread)."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+    if "create_directories_asynchronously" not in {f.name for f in
+                                                   dataclasses.fields(ocp.AsyncOptions)}:
+        return None
+    return ocp.AsyncOptions(create_directories_asynchronously=False)

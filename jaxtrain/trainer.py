@@ -261,7 +261,8 @@ class _Loop:
                             cfg.train.eval_batches)
             self.writer.write(done, {"eval_loss": loss})
             self.last_logged = {**self.last_logged, "eval_loss": loss}
-        if saving:
+        if saving:  # (a stop saves too) what a restart will not log again goes to disk first
+            self.writer.flush()
             self.ckpt.save(done, state, self.train_batches.get_state(), self.setup.layer_order)
         if stopping:
             self.ckpt.wait()
