@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from jaxtrain import config, data
 from jaxtrain.config import ConfigError, PrepareConfig
-from jaxtrain.data import mixture, prepared
+from jaxtrain.data import mixture, prepared, shard_check
 from jaxtrain.data.__main__ import main as cli_main
 from jaxtrain.data.prepare import prepare
 from util import logged_losses
@@ -79,7 +80,9 @@ def prepared_dir(corpus):
 
 
 def _files(folder):
-    return {p.name: p.read_bytes() for p in sorted(pathlib.Path(folder).iterdir())}
+    """What prepare wrote (verified.json, the stamps of the files it checked, aside)."""
+    return {p.name: p.read_bytes() for p in sorted(pathlib.Path(folder).iterdir())
+            if p.name != shard_check.VERIFIED}
 
 
 def _cfg(**overrides):
@@ -224,6 +227,31 @@ def test_prepared_directory_errors(corpus, prepared_dir, tmp_path):
         (damaged / name).write_bytes(raw[:-2] if name == "shard-00001.bin" else raw)
     fails("shard-00001.bin is .* bytes but manifest.json says", data__path=str(damaged),
           data__tokenizer=corpus["tokenizer"])
+
+
+def test_shards_changed_in_place_are_refused_and_checked_cheaply(corpus, prepared_dir, tmp_path,
+                                                                 monkeypatch):
+    """The manifest's sha256 of every shard file is checked; a file is hashed only when its
+    size or mtime differs from those of its last match (prepare records what it wrote)."""
+    hashed = []
+    digest = shard_check.hashlib.file_digest
+    monkeypatch.setattr(shard_check.hashlib, "file_digest",
+                        lambda f, name: hashed.append(pathlib.Path(f.name).name) or digest(f, name))
+    cfg = _cfg(data__source="prepared", data__tokenizer=corpus["tokenizer"],
+               data__path=str(tmp_path / "copy"))
+    shutil.copytree(prepared_dir, tmp_path / "copy")  # mtimes kept: nothing to hash
+    data.make_batches(cfg)
+    files = 2 * len(prepared.read_manifest(str(prepared_dir))["shards"])
+    assert hashed == [] and len(json.loads((prepared_dir / "verified.json").read_text())) == files
+    shard = tmp_path / "copy" / "shard-00001.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[:4] = bytes(b ^ 1 for b in raw[:4])
+    shard.write_bytes(bytes(raw))  # same size, other tokens
+    prepared._open.cache_clear()
+    with pytest.raises(data.DataError, match=r"shard-00001.bin does not hold the bytes whose "
+                       r"sha256 manifest.json records \(it changed after prepare\)"):
+        data.make_batches(cfg)
+    assert hashed == ["shard-00001.bin"]
 
 
 # ----------------------------------------------------------------------------- mixtures
