@@ -18,7 +18,7 @@ from jaxtrain.config import ConfigError, PrepareConfig
 from jaxtrain.data import mixture, prepared, shard_check
 from jaxtrain.data.__main__ import main as cli_main
 from jaxtrain.data.prepare import prepare
-from util import logged_losses
+from util import bpe_tokenizer, logged_losses
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat and dog ran far away from home über café 🙂 \n".split(" ")
@@ -45,23 +45,11 @@ def _write_corpus(folder: pathlib.Path, docs) -> list[str]:
     return docs
 
 
-def _bpe_tokenizer(path: pathlib.Path, docs) -> pathlib.Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.save(str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     docs = _write_corpus(root / "in", _docs(random.Random(0), 300))
-    tok = _bpe_tokenizer(root / "tokenizer.json", docs)
+    tok = bpe_tokenizer(root / "tokenizer.json", docs)
     inputs = (str(root / "in" / "*.jsonl"), str(root / "in" / "c.parquet"),
               str(root / "in" / "t*.txt"))
     return {"root": root, "docs": docs, "tokenizer": str(tok), "inputs": inputs}

@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+from util import bpe_tokenizer
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLUSTER_RECIPE = re.compile(r"configs/llama\w*\.py")
 SKIPPED = {"pip install": "the suite runs installed", "python -m pytest": "it is this suite"}
@@ -68,7 +70,6 @@ def _inputs(folder: pathlib.Path) -> None:
     text under `content`), tok/tokenizer.json."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     rng = random.Random(0)
     words = "the model reads code and books from the web every day".split()
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) for _ in range(60)]
@@ -79,13 +80,7 @@ def _inputs(folder: pathlib.Path) -> None:
     (folder / "code" / "b.jsonl").write_text("".join(json.dumps({"content": d}) + "\n"
                                                      for d in docs[30:45]))
     pq.write_table(pa.table({"content": docs[45:]}), folder / "books" / "c.parquet")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.save(str(folder / "tok" / "tokenizer.json"))
+    bpe_tokenizer(folder / "tok" / "tokenizer.json", docs, vocab_size=300)
 
 
 def _fresh_folder(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:

@@ -9,7 +9,8 @@ from flax import nnx
 from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_overrides
 from jaxtrain.data import synthetic_batch as random_batch
 
-__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses"]
+__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses",
+           "bpe_tokenizer"]
 
 
 def tiny_config(*overrides, workdir="runs/test") -> Config:
@@ -43,3 +44,16 @@ def metric_records(workdir: pathlib.Path) -> list[dict]:
 def logged_losses(workdir: pathlib.Path) -> dict[int, float]:
     """step -> loss of every logged step of a run."""
     return {r["step"]: r["loss"] for r in metric_records(workdir) if "loss" in r}
+
+
+def bpe_tokenizer(path: pathlib.Path, docs, vocab_size: int = 384) -> pathlib.Path:
+    """A byte-level BPE tokenizer.json trained on `docs` (with <s>, </s> and <pad>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(path))
+    return path
