@@ -24,13 +24,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import pathlib
 import re
 import shutil
-import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import checkpoint_vocab, compat
+from jaxtrain import checkpoint_logs, checkpoint_vocab, compat
 from jaxtrain.parallel import layer_order
 from jaxtrain.config import CheckpointConfig, ConfigError
 from jaxtrain.parallel.layer_order import LayerOrder
@@ -71,7 +68,7 @@ class Checkpointer:
         # left the threads waiting for it, and they held the process 300 s at exit (orbax's
         # coordination timeout). Its threads' own tracebacks of a failed save are dropped:
         # the failure reaches save()/wait() as an exception, reported in one line.
-        _drop_orbax_thread_tracebacks()
+        checkpoint_logs.drop_orbax_save_tracebacks()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
             cleanup_tmp_directories=True, async_options=compat.orbax_sync_directory_options())
@@ -235,40 +232,6 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
-
-
-class _OrbaxTracebacks(logging.Filter):
-    """Drops ERROR records with a traceback through orbax (absl's from orbax's save threads,
-    asyncio's "exception was never retrieved" of its write tasks): 4-35 of them, ~330 lines,
-    came before the one-line CheckpointSaveError that reports the same failure."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or not record.exc_info or not record.exc_info[2]:
-            return True
-        frames = traceback.extract_tb(record.exc_info[2])
-        return not any(f"{os.sep}orbax{os.sep}" in f.filename for f in frames)
-
-
-def _drop_orbax_thread_tracebacks() -> None:
-    for name in ("absl", "asyncio"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _OrbaxTracebacks) for f in logger.filters):
-            logger.addFilter(_OrbaxTracebacks())
-    if not getattr(sys.unraisablehook, "drops_closed_loop_callbacks", False):
-        sys.unraisablehook = _without_closed_loop_callbacks(sys.unraisablehook)
-
-
-def _without_closed_loop_callbacks(hook):
-    """`hook` (sys.unraisablehook), silent for the "Event loop is closed" that TensorStore's
-    write callbacks raise when a failed save's event loop closed before they completed."""
-    def unraisablehook(args):
-        last = traceback.extract_tb(args.exc_traceback)[-1:] if args.exc_traceback else []
-        if (args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"
-                and last and last[0].name == "_check_closed"):
-            return
-        hook(args)
-    unraisablehook.drops_closed_loop_callbacks = True
-    return unraisablehook
 
 
 def check_fresh_start(directory: pathlib.Path, cfg: CheckpointConfig) -> None:

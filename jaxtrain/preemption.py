@@ -34,6 +34,17 @@ def catch_early() -> None:
             signal.signal(sig, _remember)
 
 
+def release_early() -> None:
+    """Back to Python's own handlers, for a command that does not train (a dry run, a sharding
+    inspection): a signal `catch_early` remembered is delivered now, later ones as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _early_signal:
+        signal.raise_signal(signal.Signals[_early_signal.pop(0)])
+
+
 def _remember(signum, frame) -> None:
     del frame
     _early_signal.append(signal.Signals(signum).name)

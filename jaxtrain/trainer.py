@@ -133,61 +133,62 @@ def train(cfg: Config, *, log=print, on_profile=None) -> dict:
     # The handlers first: a job preempted while it starts (data, mesh, init, the restore) stops
     # before its first step, exit 0, instead of dying with the default action.
     stop = StopRequest(cfg.train.max_runtime_s, started).install()
-    ckpt = loop = None
     try:
-        workdir = pathlib.Path(cfg.train.workdir)
-        is_main = jax.process_index() == 0
-        check_writable(workdir)
-        check_fresh_start(workdir / "checkpoints", cfg.checkpoint)
-        check_steps_left(workdir / "checkpoints", cfg.checkpoint, cfg.train.steps)
-        mesh = sharding.make_mesh(cfg.parallel)
-        # Data first: a bad tokenizer, directory or mixture fails before anything compiles.
-        train_batches = data_lib.make_batches(cfg, "train", jax.process_index(),
-                                              jax.process_count())
-        eval_batches = (data_lib.make_batches(cfg, "eval", jax.process_index(),
-                                              jax.process_count())
-                        if cfg.train.eval_every else None)
-        setup = step_lib.build(cfg, mesh)
-        if mesh.shape["stage"] > 1 and is_main:
-            log(pipeline_summary(cfg, mesh.shape["stage"]))
-        previous = run_report.read_previous_config(workdir)
-        if is_main:
-            write_run_info(workdir, cfg)
-        ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-        state = restore_or_init(cfg, setup, ckpt, train_batches, log)
-        start = int(state["step"])
-        if is_main:
-            log(run_report.header(cfg, layout_from_config(cfg, mesh.size),
-                                  jax.devices()[0].device_kind, jax.process_count(), start))
-            if note := run_report.schedule_change(previous, cfg, start):
-                log(note)
-        if stop.before_start():
-            log(f"{stop.reason()} while starting: stopping before step {start + 1}, nothing "
-                "lost (no step was taken); rerun to resume")
-            return {}
-        if start >= cfg.train.steps:
-            log(f"{workdir} is already at step {start} = train.steps: nothing to train. Raise "
-                "train.steps to train on (train.lr_decay_steps keeps the decay where it was) or "
-                "set train.workdir to a fresh folder")
-            return {}
-        loop = _Loop(cfg, setup, ckpt, train_batches, eval_batches, start,
-                     on_profile if is_main else None)
+        return _train(cfg, stop, started, log, on_profile)
+    finally:
+        stop.uninstall()
+
+
+def _train(cfg: Config, stop: StopRequest, started: float, log, on_profile) -> dict:
+    workdir = pathlib.Path(cfg.train.workdir)
+    is_main = jax.process_index() == 0
+    check_writable(workdir)
+    check_fresh_start(workdir / "checkpoints", cfg.checkpoint)
+    check_steps_left(workdir / "checkpoints", cfg.checkpoint, cfg.train.steps)
+    mesh = sharding.make_mesh(cfg.parallel)
+    # Data first: a bad tokenizer, directory or mixture fails before anything compiles.
+    train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())
+    eval_batches = (data_lib.make_batches(cfg, "eval", jax.process_index(), jax.process_count())
+                    if cfg.train.eval_every else None)
+    setup = step_lib.build(cfg, mesh)
+    if mesh.shape["stage"] > 1 and is_main:
+        log(pipeline_summary(cfg, mesh.shape["stage"]))
+    previous = run_report.read_previous_config(workdir)
+    if is_main:
+        write_run_info(workdir, cfg)
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+    state = restore_or_init(cfg, setup, ckpt, train_batches, log)
+    start = int(state["step"])
+    if is_main:
+        log(run_report.header(cfg, layout_from_config(cfg, mesh.size),
+                              jax.devices()[0].device_kind, jax.process_count(), start))
+        if note := run_report.schedule_change(previous, cfg, start):
+            log(note)
+    stopping = stop.before_start()  # a signal or the deadline came while starting
+    if stopping or start >= cfg.train.steps:
+        ckpt.close()
+        log(f"{stop.reason()} while starting: stopping before step {start + 1}, nothing lost "
+            "(no step was taken); rerun to resume" if stopping else
+            f"{workdir} is already at step {start} = train.steps: nothing to train. Raise "
+            "train.steps to train on (train.lr_decay_steps keeps the decay where it was) or "
+            "set train.workdir to a fresh folder")
+        return {}
+    loop = _Loop(cfg, setup, ckpt, train_batches, eval_batches, start,
+                 on_profile if is_main else None)
+    try:
         for step in range(loop.start, cfg.train.steps):
             state = loop.step(step, state)
             if loop.after(step + 1, state, stop):
                 break
         loop.finish_pending()
         ckpt.wait()
-        last_saved = ckpt.latest_step()
+        last = ckpt.latest_step()
     finally:
-        stop.uninstall()
-        if ckpt is not None:
-            ckpt.close()
-        if loop is not None:
-            loop.writer.close()
+        ckpt.close()
+        loop.writer.close()
     if is_main:
         log(run_report.closing(int(state["step"]), cfg, loop.last_logged,
-                               last_saved is not None and f"{ckpt.directory}/{last_saved}",
+                               last is not None and f"{ckpt.directory}/{last}",
                                time.monotonic() - started))
     return loop.last_logged
 

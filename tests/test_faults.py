@@ -9,6 +9,8 @@ import json
 import pathlib
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -76,6 +78,17 @@ def test_sigterm_while_restoring_exits_0_having_lost_nothing(tmp_path, stopped_a
     assert steps(workdir) == ["2", "4", "6"] and metric_records(workdir) == before
     trainer.train(config(workdir, "--checkpoint.every=2"))
     assert logged_losses(workdir) == reference
+
+
+def test_a_signal_while_starting_waits_for_the_trainer_or_ends_what_does_not_train():
+    """train.py's first statement remembers SIGTERM (the trainer takes it, above); a dry run
+    or an inspection gets the default action back, with a remembered signal delivered."""
+    code = ("import os, signal, time\nfrom jaxtrain import preemption\npreemption.catch_early()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.2)\nprint('alive', flush=True)\n"
+            "preemption.release_early()\nprint('not reached')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == -signal.SIGTERM and done.stdout == "alive\n", done
 
 
 def test_max_runtime_stops_with_a_checkpoint(tmp_path, capsys):
