@@ -101,14 +101,16 @@ class StopRequest:
         return self._agree(self.local())
 
     def before_start(self) -> bool:
-        """Whether to stop before the first step (a signal or the deadline came while the run
-        started): agreed by a blocking all-gather, as no step is in flight to hide it behind."""
+        """Whether to stop before the first step: a signal came while the run started (a
+        deadline that passed then still gets its step and checkpoint). Agreed by a blocking
+        all-gather, as no step is in flight to hide it behind."""
         import jax
+        signalled = self.signal_name is not None
         if jax.process_count() == 1:
-            return self.local()
+            return signalled
         import numpy as np
         from jax.experimental import multihost_utils
-        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.local()))))
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(signalled))))
 
     def reason(self) -> str:
         if self.signal_name is not None:

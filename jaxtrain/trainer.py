@@ -164,7 +164,7 @@ def _train(cfg: Config, stop: StopRequest, started: float, log, on_profile) -> d
                               jax.devices()[0].device_kind, jax.process_count(), start))
         if note := run_report.schedule_change(previous, cfg, start):
             log(note)
-    stopping = stop.before_start()  # a signal or the deadline came while starting
+    stopping = stop.before_start()  # a signal came while starting
     if stopping or start >= cfg.train.steps:
         ckpt.close()
         log(f"{stop.reason()} while starting: stopping before step {start + 1}, nothing lost "

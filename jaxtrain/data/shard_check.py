@@ -3,8 +3,8 @@
 A file is hashed only when its (size, mtime) differs from the one `verified.json` recorded
 the last time its hash matched the manifest: prepare records the files it writes, so a fresh
 directory costs one stat per file at each start; a copied one (new mtimes) or one whose files
-changed is read once in full (sha256 runs at ~1.1 GB/s on one core of the 2-core CI machine,
-so about 15 min per TB), then recorded. A file changed in place (same size, new bytes) is
+changed is read once in full (sha256 from the page cache ran at up to 1.3 GiB/s on one core of
+the 2-core CI machine, BENCHMARKS.md: about 13 min per TB), then recorded. A file changed in place (same size, new bytes) is
 refused. Where the directory is read-only nothing is recorded and each start hashes again.
 """
 from __future__ import annotations
