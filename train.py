@@ -1,9 +1,13 @@
 """jaxtrain's command line: `python train.py --config configs/tiny.py [--train.steps=20 ...]`."""
-import argparse
-import os
-import sys
+from jaxtrain import preemption
 
-from jaxtrain import cli
+preemption.catch_early()  # before anything slow: a SIGTERM while starting stops it cleanly
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from jaxtrain import cli  # noqa: E402
 
 
 def main(argv=None):

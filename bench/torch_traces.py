@@ -246,7 +246,8 @@ def program(sc: Scenario, step: int) -> list[Op]:
 
 def write(out_dir: pathlib.Path) -> list[pathlib.Path]:
     """Every scenario's traces, config.json and truth.json under out_dir."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
     import dataclasses as dc
 
     import torch_trace_model as model   # it runs this module's program
@@ -257,7 +258,7 @@ def write(out_dir: pathlib.Path) -> list[pathlib.Path]:
     for seed, sc in enumerate(SCENARIOS):
         folder = out_dir / sc.name
         folder.mkdir(parents=True, exist_ok=True)
-        cfg = load_config("configs/tiny.py", [f"--parallel.{k}={v}" for k, v in
+        cfg = load_config(str(root / "configs" / "tiny.py"), [f"--parallel.{k}={v}" for k, v in
                                               sc.config.items()] +
                           (["--remat.granularity=full", "--remat.num_layers=1"]
                            if sc.recompute else []))

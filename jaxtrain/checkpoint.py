@@ -12,14 +12,18 @@ is written, so a save killed half-way never looks like a checkpoint: it is repor
 removed at the next start. A failed write (full disk, lost permissions) surfaces as
 CheckpointSaveError, and the previous checkpoint stays (orbax deletes old steps only after a
 new one is committed). Damage after the commit is caught at restore: orbax and TensorStore
-reject truncated or unparsable files, and the fingerprint (a wrap-around sum of the values'
-bits, plain and index-weighted, per leaf) rejects files whose bytes changed. The trainer then
+reject truncated or unparsable files, the fingerprint (a wrap-around sum of the values'
+bits, plain and index-weighted, per leaf; a hash of the data position) rejects files whose
+bytes changed, and a step folder whose state holds another step (renamed, copied) is damage
+too (restored, every later save would collide with it). The trainer then
 resumes from the newest readable checkpoint and sets the damaged ones aside, or stops with
 CheckpointCorruptError when none is readable; it never starts fresh over checkpoints.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import pathlib
 import re
@@ -31,13 +35,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import compat
+from jaxtrain import checkpoint_logs, checkpoint_vocab, compat
 from jaxtrain.parallel import layer_order
 from jaxtrain.config import CheckpointConfig, ConfigError
 from jaxtrain.parallel.layer_order import LayerOrder
 
 LAYOUT_ITEM = "layout"
 FINGERPRINT_ITEM = "fingerprint"
+DATA_KEY = "data"  # the fingerprint's entry for the data item (no state leaf has this path)
 SET_ASIDE_SUFFIX = ".unreadable"
 
 
@@ -58,9 +63,15 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         # Saves a kill interrupted before orbax committed them; orbax removes them below.
         self.interrupted_saves = sorted(self.directory.glob(f"*{ocp.path.step.TMP_DIR_SUFFIX}*"))
+        # A save's directories are made in save(), on this thread (a few mkdirs): made in
+        # orbax's background threads, a failed mkdir (checkpoints/ lost its write permission)
+        # left the threads waiting for it, and they held the process 300 s at exit (orbax's
+        # coordination timeout). Its threads' own tracebacks of a failed save are dropped:
+        # the failure reaches save()/wait() as an exception, reported in one line.
+        checkpoint_logs.drop_orbax_save_tracebacks()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
-            cleanup_tmp_directories=True)
+            cleanup_tmp_directories=True, async_options=compat.orbax_sync_directory_options())
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -75,7 +86,8 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, order: LayerOrder | None = None) -> None:
         """Save asynchronously; `order`: the layer order of state's layer-stacked leaves."""
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
-                 FINGERPRINT_ITEM: ocp.args.JsonSave(fingerprint(state))}
+                 FINGERPRINT_ITEM: ocp.args.JsonSave({**fingerprint(state),
+                                                      DATA_KEY: data_fingerprint(data_state)})}
         if order is not None:
             items[LAYOUT_ITEM] = ocp.args.JsonSave(layer_order.to_json(order))
         with self._save_errors(self._in_flight):  # an earlier async save's failure lands here
@@ -97,21 +109,27 @@ class Checkpointer:
             kept = [s for s in _committed_steps(self.directory) if s != step]
             previous = (f"the latest complete checkpoint, {self.directory}/{kept[-1]}, is kept"
                         if kept else "there is no earlier checkpoint")
+            fix = ("Free disk space or fix the permissions there, then rerun to resume"
+                   if type(e).__name__ != "StepAlreadyExistsError" else
+                   f"Move {self.directory}/{step} away (it is not this run's), then rerun")
             raise CheckpointSaveError(
                 f"saving checkpoint {self.directory}/{step} failed ({_reason(e)}); {previous}. "
-                "Free disk space or fix the permissions there, then rerun to resume") from e
+                f"{fix}") from e
 
-    def restore_latest(self, abstract_state, order: LayerOrder | None = None, *, warn=print):
+    def restore_latest(self, abstract_state, order: LayerOrder | None = None, *, warn=print,
+                       model=None):
         """(step, state, data state) of the newest checkpoint that reads back as it was saved,
         or None when there is none. Newer unreadable ones are renamed `<step>.unreadable`
         (a warning names each); when all are unreadable, CheckpointCorruptError names them."""
         unreadable: list[tuple[int, str]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                state, data_state = self.restore(step, abstract_state, order)
+                state, data_state = self.restore(step, abstract_state, order, model=model)
                 problem = None
             except CheckpointMismatchError:
                 raise  # the config changed: not damage, and no older step would fit either
+            except CheckpointCorruptError as e:  # read back, but not as it was saved
+                problem = str(e).removeprefix(f"{self._source(step)}: ")
             except Exception as e:  # truncated, garbage or missing files
                 problem = _reason(e)
             if _any_process(problem is not None):
@@ -142,10 +160,13 @@ class Checkpointer:
         _sync_processes(f"jaxtrain_set_aside_{step}")
         return target
 
-    def restore(self, step: int, abstract_state, order: LayerOrder | None = None):
+    def restore(self, step: int, abstract_state, order: LayerOrder | None = None, *,
+                model=None):
         """Restore `step` onto the shardings of `abstract_state` (ShapeDtypeStructs), whose
         layer-stacked leaves are in `order` (default: as saved); CheckpointCorruptError when
-        the values differ from those saved."""
+        the values differ from those saved. With `model` (the configured ModelConfig, its real
+        vocab) vocab tables padded for another tensor degree are re-padded
+        (checkpoint_vocab.py), and a shape that differs is named by its cause."""
         saved = order
         if order is not None:
             saved = read_layer_order(self.directory / str(step), order.num_layers)
@@ -154,32 +175,57 @@ class Checkpointer:
                     f"checkpoint {self.directory}/{step} holds {saved.num_layers} layers but the "
                     f"configured model has {order.num_layers}; use a fresh train.workdir")
         target = abstract_state if saved == order else _in_order(abstract_state, saved)
-        self._check_shapes(step, target)
+        saved_shapes = self._saved_shapes(step)
+        if model is not None and saved_shapes is not None:
+            target = checkpoint_vocab.as_saved(target, saved_shapes, model.vocab_size,
+                                               _path_name)
+        self._check_shapes(step, target, saved_shapes, model)
         items = {"state": ocp.args.StandardRestore(target), "data": ocp.args.JsonRestore()}
         has_fingerprint = (self.directory / str(step) / FINGERPRINT_ITEM).is_dir()
         if has_fingerprint:  # checkpoints from before fingerprints have none
             items[FINGERPRINT_ITEM] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         state = restored["state"]
+        source = self._source(step)
         if has_fingerprint:
-            check_fingerprint(state, restored[FINGERPRINT_ITEM],
-                              f"checkpoint {self.directory}/{step}")
-        if saved != order:
+            check_fingerprint(state, restored[FINGERPRINT_ITEM], source)
+            check_data_fingerprint(restored["data"], restored[FINGERPRINT_ITEM], source)
+        check_step(state, step, source)
+        repadded = jax.tree.map(lambda a, b: a.shape != b.shape, target, abstract_state)
+        if saved != order or any(jax.tree.leaves(repadded)):
             shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
-            state = jax.jit(lambda s: layer_order.convert(s, saved, order),
-                            out_shardings=shardings)(state)
+
+            def convert(s):
+                s = layer_order.convert(s, saved, order)
+                return checkpoint_vocab.repad(s, abstract_state, model.vocab_size, _path_name) \
+                    if model is not None else s
+            state = jax.jit(convert, out_shardings=shardings)(state)
         return state, restored["data"]
 
-    def _check_shapes(self, step, abstract_state):
+    def _source(self, step: int) -> str:
+        return f"checkpoint {self.directory}/{step}"
+
+    def _saved_shapes(self, step) -> dict | None:
+        """{leaf name: shape} of the step's saved train state (None: orbax recorded none)."""
         meta = self.manager.item_metadata(step)
         saved = meta["state"] if meta is not None else None
         if saved is None:
+            return None
+        return {_path_name(p): tuple(a.shape)
+                for p, a in jax.tree_util.tree_flatten_with_path(saved)[0]}
+
+    def _check_shapes(self, step, abstract_state, saved_shapes, model):
+        if saved_shapes is None:
             return
-        check_shapes(saved, abstract_state, f"checkpoint {self.directory}/{step}",
+
+        def different(name, have, want):
+            cause = (checkpoint_vocab.shape_cause(name, have, want, model) + ": "
+                     if model is not None else "")
+            return (f"{cause}the model config differs from the one that wrote it (compare "
+                    "config.json), or use a fresh train.workdir")
+        check_shapes(saved_shapes, abstract_state, self._source(step),
                      missing="it was written for a different model or optimizer. Use a fresh "
-                     "train.workdir",
-                     different="the model config differs from the one that wrote it (compare "
-                     "config.json), or use a fresh train.workdir")
+                     "train.workdir", different=different)
 
     def close(self) -> None:
         try:
@@ -198,6 +244,17 @@ def check_fresh_start(directory: pathlib.Path, cfg: CheckpointConfig) -> None:
             f"checkpoint.resume=false starts over, but {directory} holds checkpoints (steps "
             f"{shown}) that it would collide with; set train.workdir to a fresh folder, or "
             "move those checkpoints away (nothing was deleted)")
+
+
+def check_steps_left(directory: pathlib.Path, cfg: CheckpointConfig, steps: int) -> None:
+    """Refuse, before anything is built, a resume whose newest checkpoint lies past
+    `steps` (train.steps): it would do nothing and say nothing."""
+    done = _committed_steps(directory)
+    if cfg.resume and done and done[-1] > steps:
+        raise ConfigError(
+            f"train.steps={steps}, but {directory} already holds checkpoint {done[-1]}: nothing "
+            f"to train. Set train.workdir to a fresh folder for a new run, or train.steps above "
+            f"{done[-1]} to continue this one")
 
 
 def _committed_steps(directory: pathlib.Path) -> list[int]:
@@ -261,11 +318,35 @@ def check_fingerprint(state, saved: dict, source: str) -> None:
                                          "saved (its fingerprint differs); the files are damaged")
 
 
-def check_shapes(have, want, source: str, *, missing: str, different: str) -> None:
+def data_fingerprint(data_state: dict) -> list[int]:
+    """Two 32-bit words of the sha256 of the data state's JSON: an edited position (or any
+    other field) reads back as damage, like the state's values."""
+    digest = hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).digest()
+    return [int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")]
+
+
+def check_data_fingerprint(data_state: dict, saved: dict, source: str) -> None:
+    if DATA_KEY in saved and list(saved[DATA_KEY]) != data_fingerprint(data_state):
+        raise CheckpointCorruptError(f"{source}: its data position does not hold what was saved "
+                                     "(its fingerprint differs); the files are damaged")
+
+
+def check_step(state, step: int, source: str) -> None:
+    """The folder's name is the step its state was saved at: a renamed or copied folder is
+    damage (restored, it would collide with the saves after it)."""
+    if isinstance(state, dict) and "step" in state and int(state["step"]) != step:
+        raise CheckpointCorruptError(f"{source}: it holds the train state of step "
+                                     f"{int(state['step'])}, not {step} (a renamed or copied "
+                                     "folder)")
+
+
+def check_shapes(have, want, source: str, *, missing: str, different) -> None:
     """Raise CheckpointMismatchError naming the first leaf of `want` (params first) that `have`
-    lacks or holds in another shape; both are pytrees of things with a .shape."""
-    have_shapes = {_path_name(p): tuple(a.shape)
-                   for p, a in jax.tree_util.tree_flatten_with_path(have)[0]}
+    lacks or holds in another shape; both are pytrees of things with a .shape (`have` may be
+    {leaf name: shape}). `different`: the advice, or a function (name, have, want) -> it."""
+    have_shapes = have if isinstance(have, dict) and all(isinstance(v, tuple) for v in
+                                                         have.values()) else {
+        _path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(have)[0]}
     wanted = jax.tree_util.tree_flatten_with_path(want)[0]
     wanted.sort(key=lambda pw: not _path_name(pw[0]).startswith("params"))
     for path, w in wanted:
@@ -273,9 +354,11 @@ def check_shapes(have, want, source: str, *, missing: str, different: str) -> No
         if name not in have_shapes:
             raise CheckpointMismatchError(f"{source} has no entry {name}; {missing}")
         if have_shapes[name] != tuple(w.shape):
+            advice = (different(name, have_shapes[name], tuple(w.shape)) if callable(different)
+                      else different)
             raise CheckpointMismatchError(
                 f"{source}: {name} has shape {have_shapes[name]} but the configured model needs "
-                f"{tuple(w.shape)}; {different}")
+                f"{tuple(w.shape)}; {advice}")
 
 
 def _path_name(path) -> str:
@@ -295,7 +378,7 @@ def read_layer_order(step_dir: str | pathlib.Path, num_layers: int) -> LayerOrde
 def read_saved_params(step_dir: str | pathlib.Path) -> dict:
     """Only the params of a checkpoint step folder, as host numpy arrays (any device count),
     in the layer order they were saved in."""
-    state_dir = pathlib.Path(step_dir) / "state"
+    state_dir = pathlib.Path(step_dir).absolute() / "state"  # orbax wants absolute paths
     ckptr = ocp.PyTreeCheckpointer()
     tree = compat.saved_tree_metadata(ckptr, state_dir)
     if "params" not in tree:

@@ -66,6 +66,9 @@ def run(config_path: str, overrides, *, inspect_sharding: bool = False, dry_run:
         if as_json and not dry_run:
             raise ConfigError("--json is the dry run's report format: add --dry-run")
         maybe_initialize_distributed()
+        if dry_run or inspect_sharding:  # only training stops cleanly on a signal
+            from jaxtrain import preemption
+            preemption.release_early()
         if dry_run:
             report = dry_run_lib.dry_run(cfg, gpu, devices=devices, config_name=config_path,
                                          echo=lambda s: print(s, file=sys.stderr, flush=True),

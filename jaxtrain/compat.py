@@ -89,8 +89,10 @@ def logical_partition_specs(abstract_state):
 
 def saved_tree_metadata(checkpointer, directory):
     """The array metadata tree of a saved PyTree item (orbax returns it bare or wrapped in
-    `.item_metadata.tree`, by version)."""
-    meta = checkpointer.metadata(directory)
+    `.item_metadata.tree`, by version). The path is made absolute: orbax 0.11 reads no item
+    metadata under a relative one (a bare StepMetadata comes back)."""
+    import pathlib
+    meta = checkpointer.metadata(pathlib.Path(directory).absolute())
     return getattr(getattr(meta, "item_metadata", None), "tree", meta)
 
 
@@ -142,3 +144,15 @@ class mosaic_gpu_dump:
             else:
                 os.environ[k] = v
         return False
+
+
+def orbax_sync_directory_options():
+    """orbax's AsyncOptions that make a save's directories in `save()` on the caller's thread
+    (None where this orbax has no such option: it then makes them in the save's own thread)."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+    if "create_directories_asynchronously" not in {f.name for f in
+                                                   dataclasses.fields(ocp.AsyncOptions)}:
+        return None
+    return ocp.AsyncOptions(create_directories_asynchronously=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import struct
 import time
 
 import jax
@@ -87,6 +88,22 @@ def _drop_records_after(path: pathlib.Path, step: int) -> None:
         tmp.replace(path)
 
 
+def _trim_torn_events(folder: pathlib.Path) -> None:
+    """Cut each TensorBoard events file after its last whole record (TFRecord framing: u64
+    length, u32 crc, payload, u32 crc): a process killed mid-write leaves a torn one, at which
+    readers stop or fail. The next run writes a file of its own."""
+    for path in sorted(folder.glob("events.out.tfevents.*")) if folder.is_dir() else []:
+        data, end = path.read_bytes(), 0
+        while end + 12 <= len(data):
+            (length,) = struct.unpack_from("<Q", data, end)
+            if end + 16 + length > len(data):
+                break
+            end += 16 + length
+        if end < len(data):
+            with open(path, "r+b") as f:
+                f.truncate(end)
+
+
 def _record_step(line: str) -> float:
     try:
         return json.loads(line).get("step", 0)
@@ -106,6 +123,7 @@ class MetricsWriter:
         # will log again) is dropped, from metrics.jsonl and (purge_step) TensorBoard alike, so
         # a restart leaves no overlap.
         _drop_records_after(workdir / "metrics.jsonl", start_step)
+        _trim_torn_events(workdir / "tensorboard")
         self._jsonl = open(workdir / "metrics.jsonl", "a")
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=start_step + 1)
@@ -127,6 +145,13 @@ class MetricsWriter:
             if k != "step" and isinstance(v, (int, float)):
                 self._tb.add_scalar(k, v, step)
         self.console(_format_line(record, self.peak_note))
+
+    def flush(self) -> None:
+        """Put what was logged on disk (TensorBoard buffers up to its 120 s flush): called
+        when a checkpoint is saved and when a stop is requested, so the steps a restart will
+        not log again are never lost with the process."""
+        if self._tb is not None:
+            self._tb.flush()
 
     def console(self, line: str) -> None:
         if not self.enabled:

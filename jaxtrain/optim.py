@@ -11,7 +11,9 @@ from jaxtrain.config import TrainConfig
 
 
 def learning_rate(t: TrainConfig) -> optax.Schedule:
-    decay_steps = max(t.steps, t.warmup_steps + 1)
+    """Linear warmup, then cosine decay to lr * min_lr_ratio over train.lr_decay_steps
+    (default train.steps), constant after it."""
+    decay_steps = max(t.lr_decay_steps or t.steps, t.warmup_steps + 1)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
         decay_steps=decay_steps, end_value=t.lr * t.min_lr_ratio)

@@ -20,12 +20,36 @@ import signal
 import threading
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_early_signal: list[str] = []  # a signal `catch_early` remembered, not yet taken by a StopRequest
+
+
+def catch_early() -> None:
+    """From now until a StopRequest is installed, SIGTERM / SIGINT are remembered instead of
+    ending the process: train.py calls this first (this module loads no jax at import), so a
+    job preempted while it imports, loads data, builds or restores exits 0 before its first
+    step, with nothing lost. A second signal still ends it at once."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, _remember)
+
+
+def release_early() -> None:
+    """Back to Python's own handlers, for a command that does not train (a dry run, a sharding
+    inspection): a signal `catch_early` remembered is delivered now, later ones as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _early_signal:
+        signal.raise_signal(signal.Signals[_early_signal.pop(0)])
+
+
+def _remember(signum, frame) -> None:
+    del frame
+    _early_signal.append(signal.Signals(signum).name)
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 class StopRequest:
@@ -38,9 +62,12 @@ class StopRequest:
         self.deadline = (started or time.monotonic()) + max_runtime_s if max_runtime_s else None
         self.signal_name: str | None = None
         self._previous: dict = {}
-        self._agree = _Agreement() if jax.process_count() > 1 else None
+        self._agree = None  # the processes' agreement, made at the first poll (it compiles)
 
     def install(self) -> "StopRequest":
+        if _early_signal:  # signalled while starting: the default handlers are back already
+            self.signal_name = _early_signal.pop(0)
+            return self
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -66,9 +93,24 @@ class StopRequest:
     def poll(self) -> bool:
         """Whether every process stops after the step just dispatched (the same answer on all
         processes: with several, it is the agreed flag of one step earlier)."""
-        if self._agree is None:
+        import jax
+        if jax.process_count() == 1:
             return self.local()
+        if self._agree is None:
+            self._agree = _Agreement()
         return self._agree(self.local())
+
+    def before_start(self) -> bool:
+        """Whether to stop before the first step: a signal came while the run started (a
+        deadline that passed then still gets its step and checkpoint). Agreed by a blocking
+        all-gather, as no step is in flight to hide it behind."""
+        import jax
+        signalled = self.signal_name is not None
+        if jax.process_count() == 1:
+            return signalled
+        import numpy as np
+        from jax.experimental import multihost_utils
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(signalled))))
 
     def reason(self) -> str:
         if self.signal_name is not None:
@@ -82,6 +124,10 @@ class _Agreement:
     """The max over all processes of a per-process flag, one step late (see the module doc)."""
 
     def __init__(self):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         # Over every device, like the train step: a program on a subset of them (one device per
         # process) let gloo match its all-reduce with a train-step collective on CPU
         # ("Received data size doesn't match expected size").
@@ -92,6 +138,8 @@ class _Agreement:
         self._pending = None
 
     def __call__(self, flag: bool) -> bool:
+        import jax
+        import numpy as np
         flags = jax.make_array_from_process_local_data(
             self._sharding, np.full((self._local_devices,), int(flag), np.int32))
         previous, self._pending = self._pending, self._reduce(flags)

@@ -22,8 +22,10 @@ import numpy as np
 from jaxtrain import data as data_lib
 from jaxtrain import step as step_lib, weights
 from jaxtrain.parallel import sharding
-from jaxtrain.checkpoint import Checkpointer, check_fresh_start
+from jaxtrain import run_report
+from jaxtrain.checkpoint import Checkpointer, check_fresh_start, check_steps_left
 from jaxtrain.config import Config, ConfigError
+from jaxtrain.ledger.layout import layout_from_config
 from jaxtrain.metrics import DATA_SPAN, MetricsWriter, Throughput, device_memory_gb
 from jaxtrain.preemption import StopRequest
 
@@ -42,7 +44,7 @@ def check_writable(workdir: pathlib.Path) -> None:
         probe = folder / f".write_probe_{jax.process_index()}"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            probe.write_text("")
+            probe.write_text(" " * 4096)  # some bytes: an empty file fits on a full disk
             probe.unlink()
         except OSError as e:
             raise WorkdirNotWritableError(
@@ -59,12 +61,16 @@ def git_commit() -> str:
 
 
 def write_run_info(workdir: pathlib.Path, cfg: Config) -> None:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(cfg.to_json())
     info = {"git_commit": git_commit(), "jax": jax.__version__,
             "devices": [d.device_kind for d in jax.devices()][:1], "n_devices": jax.device_count(),
             "process_count": jax.process_count()}
-    (workdir / "run.json").write_text(json.dumps(info, indent=2))
+    for name, text in (("config.json", cfg.to_json()), ("run.json", json.dumps(info, indent=2))):
+        try:
+            (workdir / name).write_text(text)
+        except OSError as e:  # a full disk or a file-size limit the write probe did not meet
+            raise WorkdirNotWritableError(
+                f"train.workdir={workdir}: cannot write {name} ({e.strerror}); free space there "
+                "or set train.workdir to a folder that can take it") from None
 
 
 def pipeline_summary(cfg: Config, stages: int) -> str:
@@ -105,7 +111,7 @@ def restore_or_init(cfg: Config, setup, ckpt: Checkpointer, train_batches, log) 
     for path in ckpt.interrupted_saves:
         log(f"ignored {path}: a save interrupted before it was committed (removed)")
     restored = (ckpt.restore_latest(setup.abstract_train_state, setup.layer_order,
-                                    warn=log) if cfg.checkpoint.resume else None)
+                                    warn=log, model=cfg.model) if cfg.checkpoint.resume else None)
     if restored is not None:
         latest, state, data_state = restored
         train_batches.set_state(data_state)
@@ -124,10 +130,21 @@ def train(cfg: Config, *, log=print, on_profile=None) -> dict:
     last logged metrics. `on_profile(workdir, lowered_step, log)` runs after the profiled
     steps (train.py passes the MFU breakdown)."""
     started = time.monotonic()
+    # The handlers first: a job preempted while it starts (data, mesh, init, the restore) stops
+    # before its first step, exit 0, instead of dying with the default action.
+    stop = StopRequest(cfg.train.max_runtime_s, started).install()
+    try:
+        return _train(cfg, stop, started, log, on_profile)
+    finally:
+        stop.uninstall()
+
+
+def _train(cfg: Config, stop: StopRequest, started: float, log, on_profile) -> dict:
     workdir = pathlib.Path(cfg.train.workdir)
     is_main = jax.process_index() == 0
     check_writable(workdir)
     check_fresh_start(workdir / "checkpoints", cfg.checkpoint)
+    check_steps_left(workdir / "checkpoints", cfg.checkpoint, cfg.train.steps)
     mesh = sharding.make_mesh(cfg.parallel)
     # Data first: a bad tokenizer, directory or mixture fails before anything compiles.
     train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())
@@ -136,23 +153,43 @@ def train(cfg: Config, *, log=print, on_profile=None) -> dict:
     setup = step_lib.build(cfg, mesh)
     if mesh.shape["stage"] > 1 and is_main:
         log(pipeline_summary(cfg, mesh.shape["stage"]))
+    previous = run_report.read_previous_config(workdir)
     if is_main:
         write_run_info(workdir, cfg)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
     state = restore_or_init(cfg, setup, ckpt, train_batches, log)
-    loop = _Loop(cfg, setup, ckpt, train_batches, eval_batches, int(state["step"]),
+    start = int(state["step"])
+    if is_main:
+        log(run_report.header(cfg, layout_from_config(cfg, mesh.size),
+                              jax.devices()[0].device_kind, jax.process_count(), start))
+        if note := run_report.schedule_change(previous, cfg, start):
+            log(note)
+    stopping = stop.before_start()  # a signal came while starting
+    if stopping or start >= cfg.train.steps:
+        ckpt.close()
+        log(f"{stop.reason()} while starting: stopping before step {start + 1}, nothing lost "
+            "(no step was taken); rerun to resume" if stopping else
+            f"{workdir} is already at step {start} = train.steps: nothing to train. Raise "
+            "train.steps to train on (train.lr_decay_steps keeps the decay where it was) or "
+            "set train.workdir to a fresh folder")
+        return {}
+    loop = _Loop(cfg, setup, ckpt, train_batches, eval_batches, start,
                  on_profile if is_main else None)
-    stop = StopRequest(cfg.train.max_runtime_s, started).install()
     try:
         for step in range(loop.start, cfg.train.steps):
             state = loop.step(step, state)
             if loop.after(step + 1, state, stop):
                 break
         loop.finish_pending()
+        ckpt.wait()
+        last = ckpt.latest_step()
     finally:
-        stop.uninstall()
         ckpt.close()
         loop.writer.close()
+    if is_main:
+        log(run_report.closing(int(state["step"]), cfg, loop.last_logged,
+                               last is not None and f"{ckpt.directory}/{last}",
+                               time.monotonic() - started))
     return loop.last_logged
 
 
@@ -175,6 +212,12 @@ class _Loop:
         t = cfg.train
         self.profiling = (range(t.profile_start, t.profile_start + t.profile_steps)
                           if t.profile_steps and jax.process_index() == 0 else range(0))
+        if self.profiling and self.profiling.start < start:
+            self.writer.console(
+                f"note: train.profile_start={t.profile_start} lies before step {start}, where "
+                "this run resumes: nothing is profiled. Profile in a fresh train.workdir or set "
+                f"train.profile_start >= {start}")
+            self.profiling = range(0)
 
     def step(self, step: int, state):
         if self.profiling and step == self.profiling.start:
@@ -219,7 +262,8 @@ class _Loop:
                             cfg.train.eval_batches)
             self.writer.write(done, {"eval_loss": loss})
             self.last_logged = {**self.last_logged, "eval_loss": loss}
-        if saving:
+        if saving:  # (a stop saves too) what a restart will not log again goes to disk first
+            self.writer.flush()
             self.ckpt.save(done, state, self.train_batches.get_state(), self.setup.layer_order)
         if stopping:
             self.ckpt.wait()

@@ -1,12 +1,15 @@
 """`python train.py ...` under a fault a test wants to provoke:
 
-    python tests/faulty_train.py [--slow-commit MARKER FROM_STEP] [--file-size-limit BYTES]
-                                 [--no-root-override] -- <train.py arguments>
+    python tests/faulty_train.py [--slow-commit MARKER FROM_STEP] [--slow-restore MARKER]
+                                 [--file-size-limit BYTES] [--no-root-override]
+                                 -- <train.py arguments>
 
 --slow-commit: orbax commits a step by renaming `<step>.orbax-checkpoint-tmp` to `<step>` once
   every file (commit_success.txt included) is written; here that rename, for steps >= FROM_STEP,
   first creates MARKER and then waits ten minutes, so a test can kill the process when a save
   is as complete as it gets without being committed.
+--slow-restore: a restore that takes a while (a large model's): it creates MARKER, then
+  restores after five seconds, so a test can signal the process while it restores.
 --file-size-limit: a full disk as far as a writer can tell, without a mount: RLIMIT_FSIZE
   makes writes past BYTES fail with EFBIG (Python ignores SIGXFSZ).
 --no-root-override: file permissions apply even to root: CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
@@ -39,11 +42,25 @@ def slow_commits(marker: str, from_step: int) -> None:
     async_path.rename = slow_rename
 
 
+def slow_restores(marker: str) -> None:
+    import time
+
+    from jaxtrain.checkpoint import Checkpointer
+    restore = Checkpointer.restore
+
+    def slow_restore(self, *args, **kwargs):
+        pathlib.Path(marker).write_text("restoring")
+        time.sleep(5)
+        return restore(self, *args, **kwargs)
+    Checkpointer.restore = slow_restore
+
+
 def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--")
     parser = argparse.ArgumentParser()
     parser.add_argument("--slow-commit", nargs=2, metavar=("MARKER", "FROM_STEP"))
+    parser.add_argument("--slow-restore", metavar="MARKER")
     parser.add_argument("--file-size-limit", type=int)
     parser.add_argument("--no-root-override", action="store_true")
     args = parser.parse_args(argv[:split])
@@ -58,6 +75,8 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.file_size_limit, args.file_size_limit))
     if args.slow_commit:
         slow_commits(args.slow_commit[0], int(args.slow_commit[1]))
+    if args.slow_restore:
+        slow_restores(args.slow_restore)
     sys.path.insert(0, str(ROOT))
     sys.argv = [str(ROOT / "train.py"), *argv[split + 1:]]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -82,12 +82,14 @@ def test_logical_partition_specs_read_flax_sharding_metadata():
     assert compat.logical_partition_specs(state) == {"w": P("embed", "mlp"), "b": P(None)}
 
 
-def test_saved_tree_metadata_of_an_orbax_item(tmp_path):
+def test_saved_tree_metadata_of_an_orbax_item(tmp_path, monkeypatch):
     import orbax.checkpoint as ocp
     ckptr = ocp.PyTreeCheckpointer()
     ckptr.save(tmp_path / "item", {"params": {"w": np.ones((2, 3), np.float32)}})
-    tree = compat.saved_tree_metadata(ckptr, tmp_path / "item")
-    assert tuple(tree["params"]["w"].shape) == (2, 3)
+    monkeypatch.chdir(tmp_path)
+    for path in (tmp_path / "item", "item"):  # relative too (orbax reads none under one)
+        tree = compat.saved_tree_metadata(ckptr, path)
+        assert tuple(tree["params"]["w"].shape) == (2, 3)
 
 
 def test_mosaic_gpu_params_run_a_kernel_in_interpret_mode():

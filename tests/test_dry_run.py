@@ -70,6 +70,7 @@ def test_too_few_devices_prints_the_plan_and_exits_2_without_compiling(capsys, n
     assert planned.layout.short() in out and "memory/device: fits" in out
     assert f"needs at least {planned.n_min} devices" in err and "8 cpu devices are present" in err
     assert "nothing was compiled or allocated" in err and "--dry-run" in err
+    assert f"XLA_FLAGS=--xla_force_host_platform_device_count={planned.n_min}" in err
     assert elapsed < 10, f"the refusal took {elapsed:.1f} s"
 
     rc = train_main(["--config", LLAMA70B, "--devices", "32", "--gpu", "h200"])

@@ -163,8 +163,8 @@ def test_transposes_match_autodiff(dn, lhs_shape, rhs_shape):
     def both(lhs, rhs, g):
         _, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn), lhs, rhs)
         one, f32 = jnp.ones((), jnp.float32), jnp.float32
-        ours = (fp8._transpose_lhs(g, rhs, lhs.ndim, dn, one, f32),
-                fp8._transpose_rhs(g, lhs, rhs.ndim, dn, one, f32))
+        ours = (fp8._transpose_lhs(g, rhs, lhs.ndim, dn, (one, one), f32),
+                fp8._transpose_rhs(g, lhs, rhs.ndim, dn, (one, one), f32))
         return vjp(g), ours
 
     k1, k2, k3 = range(0, 3)
@@ -176,14 +176,19 @@ def test_transposes_match_autodiff(dn, lhs_shape, rhs_shape):
 
 
 def _dot_dtypes(jaxpr):
+    """The operand dtypes of every dot, in the branch XLA:CPU runs where the jaxpr holds
+    per-platform branches (fp8's scaled dot: a GPU one for XLA's GEMM rewriter)."""
     out = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             out.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-        for p in eqn.params.values():
-            inner = getattr(p, "jaxpr", p)
-            if hasattr(inner, "eqns"):
-                out += _dot_dtypes(inner)
+        for name, p in eqn.params.items():
+            if name == "branches" and "branches_platforms" in eqn.params:
+                p = [b for b, on in zip(p, eqn.params["branches_platforms"]) if on is None]
+            for inner in p if isinstance(p, (tuple, list)) else [p]:
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    out += _dot_dtypes(inner)
     return out
 
 
@@ -601,3 +606,31 @@ def test_empty_batch_runs_and_records_amax_zero():
     new = update(meta, mg, cfg)
     assert float(new.x.scale) == 1.0  # amax 0 keeps the old scale (TE)
     assert float(new.w.scale) == div32(E4M3_MAX, jnp.max(jnp.abs(w)))
+
+
+def test_every_gemm_rounds_once_from_an_fp32_alpha_as_transformer_engine():
+    """TE's FP8 GEMM writes D = bf16(alpha * sum(a * b)): fp32 accumulation, an fp32 alpha =
+    scale_inv_a * scale_inv_b, one rounding. Small integers are exact in E4M3 and E5M2 and
+    their dots exact in fp32, so with scale_invs that bf16 cannot hold the alpha product and
+    the one rounding are all the arithmetic left: forward, dgrad and wgrad equal the formula
+    bit for bit. (With the scale cast to bf16 and applied to a bf16 result, most differed.)"""
+    cfg = cfg_of()
+    rng = np.random.default_rng(0)
+    x, w, g = (jnp.asarray(rng.integers(-8, 9, shape), jnp.bfloat16)
+               for shape in ((16, 32), (32, 48), (16, 48)))
+    inv = {"x": 1.2345679, "w": 0.7777777, "g": 3.1415927}  # no bf16 holds these
+    meta = fp8.init_meta(cfg)
+    meta = fp8.Fp8Meta(*(dataclasses.replace(getattr(meta, r), scale_inv=jnp.float32(inv[r]))
+                         for r in ("x", "w", "g")))   # scale 1: integers quantize exactly
+    dims = (((1,), (0,)), ((), ()))
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(x, w, dims, meta=meta, cfg=cfg), x, w)
+    dx, dw = vjp(g)
+
+    def te(a, b, inv_a, inv_b):
+        alpha = np.float32(inv_a) * np.float32(inv_b)
+        acc = np.asarray(a, np.float32) @ np.asarray(b, np.float32)  # exact integers
+        return (acc * alpha).astype(jnp.bfloat16)
+    for got, want in ((y, te(x, w, inv["x"], inv["w"])), (dx, te(g, w.T, inv["g"], inv["w"])),
+                      (dw, te(x.T, g, inv["x"], inv["g"]))):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got), want)

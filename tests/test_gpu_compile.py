@@ -103,6 +103,21 @@ def test_fp8_projections_are_cublaslt_gemms_that_write_the_compute_dtype(h100):
     assert set(results) == {"bf16"}, results
 
 
+def test_fp8_gemms_take_their_scales_in_fp32(h100):
+    """Transformer Engine's GEMM: fp32 accumulation, an fp32 alpha (the two scale_invs), one
+    rounding to bf16. Every FP8 GEMM of the step (forward, dgrad, wgrad; the row-parallel
+    ones before their all-reduce too) takes both scales as fp32 operands computed without a
+    bf16 on the way, and writes bf16. The scale was cast to bf16 before it was applied (10
+    of these 21 GEMMs took it rounded; the row-parallel ones multiplied after the all-reduce)."""
+    out = _compile(h100, *FP8, "--parallel.data=2", "--parallel.tensor=2", n=4,
+                   options=NO_TRITON_GEMM)
+    gemms = gpu_program.fp8_gemm_scales(out.text)
+    assert len(gemms) == 21, gemms  # 7 projections x forward, dgrad, wgrad in the layer loop
+    for g in gemms:
+        assert g.result == "bf16" and len(g.scales) == 2, g
+        assert all("f32" in types and "bf16" not in types for types in g.scales), g
+
+
 def _projection_temps(fn, *args):
     compiled = jax.jit(fn).lower(*args).compile(compiler_options=NO_TRITON_GEMM)
     return compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
@@ -111,7 +126,8 @@ def _projection_temps(fn, *args):
 def test_one_fp8_projection_holds_bf16_temporaries_plus_its_fp8_operands(h100):
     """A 4096x8192x28672 projection's forward + backward: the FP8 step's temporaries are within
     10% of the bf16 step's plus its FP8 operand copies (and the transposes cuBLASLt's layout
-    needs). An fp32 GEMM result with a separate cast kernel held 1040 MiB here, 480 now."""
+    needs). An fp32 GEMM result with a separate cast kernel held 1040 MiB here; 592 now (480
+    when the scale was rounded to bf16 and applied to the bf16 result)."""
     sh = SingleDeviceSharding(h100(1)[0])
     m, k, n = 4096, 8192, 28672
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sh)

@@ -269,7 +269,7 @@ def test_cli_module_runs(tmp_path):
     assert out.returncode == 2 and "no config.json" in out.stderr
 
 
-def test_export_from_training_checkpoint_and_train_state(tmp_path):
+def test_export_from_training_checkpoint_and_train_state(tmp_path, monkeypatch):
     """A trainer workdir (config.json + orbax checkpoints of a padded-vocab state) exports, and
     imported params become a train state on the setup's mesh and shardings."""
     from jaxtrain import step as step_lib
@@ -299,7 +299,8 @@ def test_export_from_training_checkpoint_and_train_state(tmp_path):
     ckpt = Checkpointer(workdir / "checkpoints", CheckpointConfig(async_save=False))
     ckpt.save(3, state, {"pos": 0})
     ckpt.close()
-    hf.main(["export", "--checkpoint", str(workdir), "--out", str(tmp_path / "hf")])
+    monkeypatch.chdir(tmp_path)  # the README's relative spelling (orbax wants absolute paths)
+    assert hf.main(["export", "--checkpoint", "run", "--out", "hf"]) == 0
     _, state_dict = hf.load_hf_checkpoint(tmp_path / "hf")
     np.testing.assert_array_equal(state_dict["model.embed_tokens.weight"], params["embed"][:200])
     np.testing.assert_array_equal(state_dict["lm_head.weight"], params["lm_head"][:, :200].T)

@@ -22,7 +22,8 @@ ALLOWED = {
 PURE = ("jaxtrain.ledger", "jaxtrain.parallel.pipeline_schedule")
 PURE_THIRD_PARTY = {"numpy"}
 TRAINING_PATH = ("jaxtrain.trainer", "jaxtrain.step", "jaxtrain.checkpoint", "jaxtrain.metrics",
-                 "jaxtrain.optim", "jaxtrain.preemption", "jaxtrain.weights")
+                 "jaxtrain.optim", "jaxtrain.preemption", "jaxtrain.weights",
+                 "jaxtrain.run_report", "jaxtrain.checkpoint_vocab", "jaxtrain.checkpoint_logs")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -80,6 +80,21 @@ def test_explicit_layout(capsys):
     assert "activations alone exceed" in out
 
 
+def test_flags_that_invalidate_the_recipes_virtual_stages_re_derive_them(capsys):
+    """llama70b runs 2 stages x 8 virtual; --stage 4 leaves 80 layers that do not split into
+    4 x 8 chunks: the virtual stages (not set by a flag) are chosen again, with a note."""
+    rc, out, err = run(capsys, "--config", CFG_70B, "--devices", "1024", "--gpu", "h100",
+                       "--tensor", "8", "--stage", "4", "--json")
+    (row,) = json.loads(out)
+    assert rc == 0 and row["fits"] and (row["tensor"], row["stage"], row["data"]) == (8, 4, 32)
+    assert 80 % (4 * row["virtual_stages"]) == 0 and row["microbatches"] == 8  # the recipe's
+    assert err.startswith("note: model.num_layers=80 is not divisible by stage=4 x "
+                          "virtual_stages=8") and "re-derived what the flags left open: " \
+        f"virtual_stages={row['virtual_stages']} (the recipe's 8)" in err
+    rc, out, _ = run(capsys, "--config", CFG_70B, "--devices", "1024", "--tensor", "4")
+    assert "microbatches=4 (the recipe's 8)" in out  # data 128 x 8 microbatches > 512
+
+
 def test_worked_example_candidate_a(capsys):
     """The seed article's candidate A: TP 8, PP 4, v=4, DP 32, micro-batch 1 holds 27.4 GB of
     activations by Megatron's accounting (80 layers x 34·s·b·h/t x 1.2), and fits."""

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,10 +15,10 @@ import pytest
 
 from jaxtrain import config, data
 from jaxtrain.config import ConfigError, PrepareConfig
-from jaxtrain.data import mixture, prepared
+from jaxtrain.data import mixture, prepared, shard_check
 from jaxtrain.data.__main__ import main as cli_main
 from jaxtrain.data.prepare import prepare
-from util import logged_losses
+from util import bpe_tokenizer, logged_losses
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat and dog ran far away from home über café 🙂 \n".split(" ")
@@ -44,23 +45,11 @@ def _write_corpus(folder: pathlib.Path, docs) -> list[str]:
     return docs
 
 
-def _bpe_tokenizer(path: pathlib.Path, docs) -> pathlib.Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.save(str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     docs = _write_corpus(root / "in", _docs(random.Random(0), 300))
-    tok = _bpe_tokenizer(root / "tokenizer.json", docs)
+    tok = bpe_tokenizer(root / "tokenizer.json", docs)
     inputs = (str(root / "in" / "*.jsonl"), str(root / "in" / "c.parquet"),
               str(root / "in" / "t*.txt"))
     return {"root": root, "docs": docs, "tokenizer": str(tok), "inputs": inputs}
@@ -79,7 +68,9 @@ def prepared_dir(corpus):
 
 
 def _files(folder):
-    return {p.name: p.read_bytes() for p in sorted(pathlib.Path(folder).iterdir())}
+    """What prepare wrote (verified.json, the stamps of the files it checked, aside)."""
+    return {p.name: p.read_bytes() for p in sorted(pathlib.Path(folder).iterdir())
+            if p.name != shard_check.VERIFIED}
 
 
 def _cfg(**overrides):
@@ -173,6 +164,14 @@ def test_cli_error_is_one_line(corpus, tmp_path, capsys):
     code = cli_main(["prepare", "--input", str(tmp_path / "*.jsonl"), "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: --input") and "\n" not in err
+    # Bytes that are not UTF-8 on a later line (the first is checked before the workers start)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    code = cli_main(["prepare", "--input", str(latin1), "--out", str(tmp_path / "out"),
+                     "--workers", "1", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith(f"error: {latin1} line 2 is not UTF-8 (invalid continuation byte")
 
 
 # ----------------------------------------------------------------------------- training data
@@ -216,6 +215,31 @@ def test_prepared_directory_errors(corpus, prepared_dir, tmp_path):
         (damaged / name).write_bytes(raw[:-2] if name == "shard-00001.bin" else raw)
     fails("shard-00001.bin is .* bytes but manifest.json says", data__path=str(damaged),
           data__tokenizer=corpus["tokenizer"])
+
+
+def test_shards_changed_in_place_are_refused_and_checked_cheaply(corpus, prepared_dir, tmp_path,
+                                                                 monkeypatch):
+    """The manifest's sha256 of every shard file is checked; a file is hashed only when its
+    size or mtime differs from those of its last match (prepare records what it wrote)."""
+    hashed = []
+    digest = shard_check.hashlib.file_digest
+    monkeypatch.setattr(shard_check.hashlib, "file_digest",
+                        lambda f, name: hashed.append(pathlib.Path(f.name).name) or digest(f, name))
+    cfg = _cfg(data__source="prepared", data__tokenizer=corpus["tokenizer"],
+               data__path=str(tmp_path / "copy"))
+    shutil.copytree(prepared_dir, tmp_path / "copy")  # mtimes kept: nothing to hash
+    data.make_batches(cfg)
+    files = 2 * len(prepared.read_manifest(str(prepared_dir))["shards"])
+    assert hashed == [] and len(json.loads((prepared_dir / "verified.json").read_text())) == files
+    shard = tmp_path / "copy" / "shard-00001.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[:4] = bytes(b ^ 1 for b in raw[:4])
+    shard.write_bytes(bytes(raw))  # same size, other tokens
+    prepared._open.cache_clear()
+    with pytest.raises(data.DataError, match=r"shard-00001.bin does not hold the bytes whose "
+                       r"sha256 manifest.json records \(it changed after prepare\)"):
+        data.make_batches(cfg)
+    assert hashed == ["shard-00001.bin"]
 
 
 # ----------------------------------------------------------------------------- mixtures
@@ -308,6 +332,18 @@ def test_mixture_config_errors(mix_dirs):
         _cfg(data__source="prepared", data__mixture=f"1 {mix_dirs['a']}", data__path="x")
     with pytest.raises(data.DataError, match="is not a directory"):
         data.make_batches(_cfg(data__source="prepared", data__mixture=f"1 {mix_dirs['a']} 1 /nope"))
+    fails("No closing quotation; close the quotes", "1 'my data")
+
+
+def test_a_mixture_names_directories_with_spaces_in_quotes(mix_dirs, tmp_path):
+    spaced = tmp_path / "my data, v2"
+    spaced.symlink_to(mix_dirs["a"], target_is_directory=True)
+    quoted = _cfg(data__source="prepared", data__mixture=f"0.3 '{spaced}' 0.7 {mix_dirs['b']}")
+    plain = _cfg(data__source="prepared", data__mixture=f"0.3 {mix_dirs['a']},0.7 {mix_dirs['b']}")
+    assert config.parse_mixture(quoted.data.mixture)[0] == ("0.3", str(spaced))
+    a, b = next(data.make_batches(quoted)), next(data.make_batches(plain))
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
 
 
 # ----------------------------------------------------------------------------- training

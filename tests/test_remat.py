@@ -206,6 +206,10 @@ def test_matmul_flops_count_loop_trips_and_gemm_custom_calls():
     (dict(granularity="selective", modules=("attn",)), "allowed: core_attn, mlp, layernorm"),
     (dict(granularity="selective", modules=("core_atn",)), "did you mean 'core_attn'"),
     (dict(granularity="selective", modules=()), "needs remat.modules"),
+    (dict(modules=("attn",)), "unknown module 'attn'.*allowed: core_attn"),  # granularity none
+    (dict(modules=("mlp",)), "only used with remat.granularity=selective.*none nothing reads"),
+    (dict(granularity="full", num_layers=1, modules=("mlp",)), "with remat.granularity=full"),
+    (dict(policy="dots_saveable", modules=("mlp",)), "with remat.policy=dots_saveable"),
     (dict(granularity="full", num_layers=1, offload=True), "needs remat.granularity=selective"),
     (dict(offload=True), "needs remat.granularity=selective"),
     (dict(granularity="selective", offload=True), "nothing tagged to offload"),

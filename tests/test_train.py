@@ -2,6 +2,7 @@
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -9,7 +10,7 @@ from jaxtrain import trainer
 from jaxtrain.tools import hf
 from jaxtrain.checkpoint import CheckpointMismatchError, read_layer_order, read_saved_params
 from jaxtrain.config import ConfigError, derive
-from util import logged_losses, tiny_config
+from util import logged_losses, metric_records, tiny_config
 
 
 def test_loss_falls_on_the_corpus_and_metrics_are_written(tmp_path):
@@ -98,7 +99,8 @@ def test_starting_over_on_existing_checkpoints_is_refused_before_compiling(tmp_p
 def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     trainer.train(tiny_config("--train.steps=1", workdir=str(tmp_path)))
     wider = tiny_config("--train.steps=2", "--model.mlp_size=192", workdir=str(tmp_path))
-    with pytest.raises(CheckpointMismatchError, match=r"w_down/kernel.*\(2, 128, 64\)"):
+    with pytest.raises(CheckpointMismatchError, match=r"w_down/kernel.*\(2, 128, 64\).*dim 1 is "
+                       r"128 in the checkpoint and 192 now \(model.mlp_size=192\)"):
         trainer.train(wider)
 
 
@@ -109,3 +111,94 @@ def test_pipeline_schedule_summary_printed_at_start():
     text = trainer.pipeline_summary(cfg, 2)
     assert "bubble (p-1)/(m·v) = 12.5%" in text and "at most (4, 2)" in text
     assert "layers per stage (2, 4)" in text
+
+
+def test_a_checkpoint_resumes_under_another_tensor_degree(tmp_path):
+    """The vocab tables are padded to 128·tensor (384 rows at tensor 1, 512 at 2): a checkpoint
+    written at one degree is re-padded on restore at another (both directions), and the run
+    equals the uninterrupted one; a real vocab change is named as such."""
+    common = ("--train.steps=3", "--train.exit_interval=1", "--checkpoint.async_save=false")
+    logged = []
+    for tensor in (1, 2, 1):  # steps 1, 2, 3, each under its own degree
+        trainer.train(tiny_config(*common, f"--parallel.tensor={tensor}",
+                                  workdir=str(tmp_path / "b")), log=logged.append)
+    assert sum("layout tensor=2 " in line for line in logged) == 1, logged
+    trainer.train(tiny_config("--train.steps=3", workdir=str(tmp_path / "a")))
+    a, b = logged_losses(tmp_path / "a"), logged_losses(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3] and [b[s] for s in a] == pytest.approx(list(a.values()),
+                                                                        rel=1e-6)
+    larger = tiny_config("--train.steps=4", "--model.vocab_size=500", workdir=str(tmp_path / "b"))
+    with pytest.raises(CheckpointMismatchError, match=r"params/embed has shape \(384, 64\) .*"
+                       r"its vocab dim holds 384 rows, fewer than model.vocab_size=500"):
+        trainer.train(larger)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A 4-step run (warmup 2, cosine to 0.1 x lr at step 4) and what it logged."""
+    workdir = tmp_path_factory.mktemp("finished")
+    logged = []
+    trainer.train(tiny_config("--train.steps=4", "--checkpoint.async_save=false",
+                              workdir=str(workdir)), log=logged.append)
+    return workdir, logged
+
+
+def test_a_run_prints_a_header_and_a_closing_line(finished):
+    workdir, logged = finished
+    params = read_saved_params(workdir / "checkpoints" / "4")  # vocab 384: no padding here
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert logged[0] == (f"jaxtrain: {count:,} parameters (123.20 K) on 8 x cpu; layout "
+                         "tensor=1 stage=1 data=8 micro_batch=1 x 1 microbatches; 256 tokens per "
+                         "step (8 sequences x 32); from step 0 to train.steps=4")
+    loss = logged_losses(workdir)[4]
+    assert logged[-1].startswith(f"finished at step 4: loss {loss:.4f}; last checkpoint "
+                                 f"{workdir}/checkpoints/4; wall time "), logged
+
+
+def test_a_run_past_its_steps_says_so(finished, tmp_path, monkeypatch):
+    workdir = tmp_path / "run"
+    shutil.copytree(finished[0], workdir)
+    logged = []
+    assert trainer.train(tiny_config("--train.steps=4", workdir=str(workdir)),
+                         log=logged.append) == {}
+    assert logged[-1] == (f"{workdir} is already at step 4 = train.steps: nothing to train. "
+                          "Raise train.steps to train on (train.lr_decay_steps keeps the decay "
+                          "where it was) or set train.workdir to a fresh folder")
+    monkeypatch.setattr(trainer.step_lib, "build", lambda *a: pytest.fail("built"))
+    with pytest.raises(ConfigError, match=r"train.steps=2, but .*/checkpoints already holds "
+                       r"checkpoint 4: nothing to train. Set train.workdir to a fresh folder"):
+        trainer.train(tiny_config("--train.steps=2", workdir=str(workdir)))
+    with pytest.raises(ConfigError, match=r"profile_steps=2 ends after train.steps=4"):
+        tiny_config("--train.steps=4", "--train.profile_start=3", "--train.profile_steps=2")
+
+
+def test_extending_a_finished_run_keeps_its_decay_with_lr_decay_steps(finished, tmp_path,
+                                                                       capsys):
+    """Megatron's --lr-decay-iters: train.lr_decay_steps=4 keeps a 4-step run's floor when it
+    is extended to 6 (the same run as one that went to 6 with that horizon from the start);
+    extended without it, the schedule stretches and the resume says so."""
+    floor = 3e-3 * 0.1
+    kept, stretched, straight = tmp_path / "kept", tmp_path / "stretched", tmp_path / "straight"
+    for path in (kept, stretched):
+        shutil.copytree(finished[0], path)
+    logged = []
+    trainer.train(tiny_config("--train.steps=6", "--train.lr_decay_steps=4",
+                              "--train.profile_start=1", "--train.profile_steps=1",
+                              workdir=str(kept)), log=logged.append)
+    assert not any("learning-rate schedule" in line for line in logged), logged
+    assert "note: train.profile_start=1 lies before step 4, where this run resumes: nothing " \
+        "is profiled" in capsys.readouterr().out and not (kept / "profile").exists()
+    trainer.train(tiny_config("--train.steps=6", "--train.lr_decay_steps=4",
+                              workdir=str(straight)))
+    lrs = {r["step"]: r["lr"] for r in metric_records(kept) if "lr" in r}
+    assert lrs[5] == lrs[6] == pytest.approx(floor, rel=1e-6)
+    assert logged_losses(kept) == logged_losses(straight)  # bit-exact
+
+    logged = []
+    trainer.train(tiny_config("--train.steps=6", workdir=str(stretched)), log=logged.append)
+    note = [line for line in logged if "learning-rate schedule" in line]
+    assert note == [f"note: the learning-rate schedule differs from the one checkpoint 4 was "
+                    f"trained under: decay horizon 4 -> 6 steps (train.steps); step 5 gets lr "
+                    f"{[r['lr'] for r in metric_records(stretched) if r['step'] == 5][0]:.3e} "
+                    f"(the old schedule: {floor:.3e}); to keep the checkpoint's decay set "
+                    "train.lr_decay_steps=4"], logged

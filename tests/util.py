@@ -10,7 +10,8 @@ from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_
 from jaxtrain.data import synthetic_batch as random_batch
 
 __all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses",
-           "check_breakdown_sums", "decisive_hf_weights", "random_model_params"]
+           "check_breakdown_sums", "decisive_hf_weights", "random_model_params",
+           "bpe_tokenizer"]
 
 
 def tiny_config(*overrides, workdir="runs/test") -> Config:
@@ -86,3 +87,16 @@ def decisive_hf_weights(model):
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5)
     return model
+
+
+def bpe_tokenizer(path: pathlib.Path, docs, vocab_size: int = 384) -> pathlib.Path:
+    """A byte-level BPE tokenizer.json trained on `docs` (with <s>, </s> and <pad>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(path))
+    return path

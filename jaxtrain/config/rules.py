@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import shlex
 
 from jaxtrain.config.sections import (Config, ConfigError, DataConfig, Fp8Config, ModelConfig,
                                       MoeConfig, ParallelConfig, parse_duration)
@@ -26,8 +27,16 @@ def _check(ok: bool, msg: str, error: type[ConfigError] = ConfigError) -> None:
 
 def parse_mixture(text: str) -> list[tuple[str, str]]:
     """`data.mixture` "0.3 A 0.7 B" (spaces or commas) -> [("0.3", "A"), ("0.7", "B")]: the
-    weights as written (exact decimals), each checked to be a number >= 0, their sum > 0."""
-    items = text.replace(",", " ").split()
+    weights as written (exact decimals), each checked to be a number >= 0, their sum > 0. A
+    directory with spaces or commas is quoted as in a shell: "0.3 'my data/web' 0.7 B"."""
+    lexer = shlex.shlex(text, posix=True)
+    lexer.whitespace += ","
+    lexer.whitespace_split = True
+    try:
+        items = list(lexer)
+    except ValueError as e:  # an unclosed quote
+        raise ConfigError(f"data.mixture={text!r}: {e}; close the quotes around a directory "
+                          "with spaces, e.g. \"0.3 'my data/web' 0.7 data/code\"") from None
     if not items or len(items) % 2:
         raise ConfigError(f"data.mixture={text!r}: expected weight/directory pairs, e.g. "
                           "'0.3 /data/web 0.7 /data/code'")
@@ -215,6 +224,14 @@ def validate(cfg: Config) -> None:
     check_batch_split(t.global_batch, p.data, p.fsdp, p.microbatches)  # a -1 is left out
     _check(0 <= cfg.data.eval_fraction < 1, "data.eval_fraction must be in [0, 1)")
     _check(t.log_every >= 1, "train.log_every must be >= 1")
+    _check(t.lr_decay_steps >= 0, f"train.lr_decay_steps={t.lr_decay_steps} must be >= 0 (0: "
+           "decay over train.steps)")
+    _check(t.profile_steps >= 0 and t.profile_start >= 0,
+           "train.profile_start and train.profile_steps must be >= 0")
+    _check(not t.profile_steps or t.profile_start + t.profile_steps <= t.steps,
+           f"train.profile_start={t.profile_start} "
+           f"+ train.profile_steps={t.profile_steps} ends after train.steps={t.steps}: the profile "
+           "would never finish; lower them or raise train.steps")
     parse_duration(t.max_runtime, "train.max_runtime")  # a malformed one raises here
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only at the end)")

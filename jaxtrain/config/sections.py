@@ -176,6 +176,9 @@ class TrainConfig(_Section):
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    # The steps the cosine decays over, to lr * min_lr_ratio, which holds after them (Megatron's
+    # --lr-decay-iters); 0: train.steps. Set it to extend a finished run at the floor it reached.
+    lr_decay_steps: int = 0
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     adam_b1: float = 0.9

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from jaxtrain.config import ConfigError, PrepareConfig
-from jaxtrain.data import readers
+from jaxtrain.data import readers, shard_check
 from jaxtrain.data.errors import DataError
 from jaxtrain.data.readers import Piece, Source
 from jaxtrain.data.tokenizer import Tokenizer, tokenizer_from_spec
@@ -91,6 +91,9 @@ def prepare(pcfg: PrepareConfig, *, echo=print, progress: bool = True) -> dict:
         raise DataError(f"--input {' '.join(pcfg.inputs)}: no document has any text")
     _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
     _fsync_dir(out)
+    # What this run wrote matches its hashes: training then checks it by size and mtime only
+    # (shards an earlier run left are hashed once, at the first start).
+    shard_check.record(out, [records[k][f] for k in todo for f in ("tokens", "docs")])
     seconds = time.perf_counter() - t0
     echo(f"prepared {manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens "
          f"in {len(shards)} shards ({len(shards) - len(todo)} already done) -> {out}; "

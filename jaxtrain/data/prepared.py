@@ -2,8 +2,9 @@
 
 Opening reads only the manifest and the per-shard document indexes; tokens stay on disk and
 are paged in as windows read them. A directory is refused before training when its prepare
-did not finish, when it was made with another tokenizer than `data.tokenizer`, or when a shard
-on disk is not the size its manifest says.
+did not finish, when it was made with another tokenizer than `data.tokenizer`, when a shard
+on disk is not the size its manifest says, or when its bytes are not those whose sha256 the
+manifest records (shard_check.py: hashed once, then checked by size and mtime).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pathlib
 
 import numpy as np
 
+from jaxtrain.data import shard_check
 from jaxtrain.data.documents import Documents
 from jaxtrain.data.errors import DataError
 from jaxtrain.data.prepare import FORMAT, MANIFEST
@@ -90,6 +92,8 @@ def _open(folder: str, mtime_ns: int) -> Documents:
                             "directory is damaged: prepare it again into a new --out")
         arrays.append(np.memmap(tokens_path, dtype=dtype, mode="r") if want else
                       np.zeros(0, dtype))
+    shard_check.verify(pathlib.Path(folder), manifest, MANIFEST)  # after the sizes: cheap first
+    for shard in manifest["shards"]:
         index = np.load(pathlib.Path(folder, shard["docs"]))
         ends.append(index["end"] + offset)
         keys.append(index["key"])

@@ -125,6 +125,9 @@ def _plan_parquet(path: str, text_field: str, piece_bytes: int) -> tuple[Source,
 def _text_of(line: bytes, path: str, row: int, text_field: str) -> str:
     try:
         record = json.loads(line)
+    except UnicodeDecodeError as e:  # json.loads decodes bytes first
+        raise DataError(f"{path} line {row + 1} is not UTF-8 ({e.reason} at byte {e.start}); "
+                        "convert the file to UTF-8 or remove the line") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{path} line {row + 1} is not JSON ({e}); fix or remove it") from None
     if not isinstance(record, dict) or text_field not in record:

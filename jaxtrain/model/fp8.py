@@ -154,38 +154,55 @@ def _drop_nan(a):
 
 # ----------------------------------------------------------------------------- the GEMMs
 
-def _scaled_dot(a, b, dimension_numbers, scale, out_dtype):
-    """scale * dot(a, b) written in `out_dtype`: the form XLA's GPU GEMM rewriter turns into one
-    `__cublas$lt$matmul$f8` that accumulates in fp32, applies `scale` as its fp32 alpha and
-    writes `out_dtype` (Transformer Engine's GEMM). An fp32 result scaled and cast afterwards
-    instead costs an fp32 output buffer and a separate cast kernel per GEMM (1040 vs 480 MiB
-    of temporaries for one 4096x8192x28672 projection's forward and backward, compiled for an
-    H100). Elsewhere (XLA:CPU) the dot rounds to `out_dtype` before the scale multiply: one
-    extra rounding in the compute dtype, far below the FP8 operands' own error."""
-    out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype)
-    return out * scale.astype(out_dtype)
+def _scaled_dot(a, b, dimension_numbers, scales, out_dtype):
+    """scale_a * scale_b * dot(a, b) written in `out_dtype`, rounded once from an fp32 product
+    as Transformer Engine's GEMM does (fp32 accumulation, an fp32 alpha, one rounding).
+
+    On a GPU the operands are dequantized (`q * scale`) in `out_dtype`: XLA's GEMM rewriter
+    takes that pattern into one `__cublas$lt$matmul$f8` with the scales as its fp32 a/b-scale
+    operands, writing `out_dtype` (no fp32 result buffer, no cast kernel: 592 vs 1040 MiB of
+    temporaries for a 4096x8192x28672 projection's forward and backward, compiled for an H100;
+    the bf16-scaled form before held 480, XLA now quantizes the weight into both of its layouts
+    in one fusion). The barrier keeps
+    each scale's cast to `out_dtype` next to the rewriter's cast back to fp32, where XLA drops
+    the pair (excess precision): without it the scale reached the GEMM rounded to bf16 in the
+    layer loop, and the row-parallel GEMMs' scale was applied after their all-reduce. The
+    GPU-compile test reads it in the H100 program. Elsewhere (XLA:CPU) the formula itself:
+    the fp32 dot times the fp32 scale product, cast once."""
+    def dequantized(a, b, scale_a, scale_b):
+        def dq(q, scale):
+            return q.astype(out_dtype) * jax.lax.optimization_barrier(scale).astype(out_dtype)
+        return jax.lax.dot_general(dq(a, scale_a), dq(b, scale_b), dimension_numbers,
+                                   preferred_element_type=out_dtype)
+
+    def formula(a, b, scale_a, scale_b):
+        acc = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+        return (acc * (scale_a * scale_b)).astype(out_dtype)
+    return jax.lax.platform_dependent(a, b, *scales, cuda=dequantized, default=formula)
 
 
 def _free_dims(ndim, contracting, batch):
     return [i for i in range(ndim) if i not in contracting and i not in batch]
 
 
-def _transpose_lhs(g, rhs, lhs_ndim, dimension_numbers, scale, out_dtype):
-    """scale * (d lhs of dot_general(lhs, rhs) given output cotangent g), in `out_dtype`."""
+def _transpose_lhs(g, rhs, lhs_ndim, dimension_numbers, scales, out_dtype):
+    """scales' product * (d lhs of dot_general(lhs, rhs) given output cotangent g), in
+    `out_dtype`; `scales`: (g's, rhs's)."""
     (lc, rc), (lb, rb) = dimension_numbers
     l_free = _free_dims(lhs_ndim, lc, lb)
     r_free = _free_dims(rhs.ndim, rc, rb)
     nb, nl = len(lb), len(l_free)
     g_r = tuple(range(nb + nl, g.ndim))
-    raw = _scaled_dot(g, rhs, ((g_r, tuple(r_free)), (tuple(range(nb)), tuple(rb))), scale,
+    raw = _scaled_dot(g, rhs, ((g_r, tuple(r_free)), (tuple(range(nb)), tuple(rb))), scales,
                       out_dtype)
     # raw dims: batch, lhs free, then rhs contracting dims in ascending rhs order.
     src = list(lb) + l_free + [lc[k] for k in np.argsort(rc)]
     return jax.lax.transpose(raw, tuple(int(i) for i in np.argsort(src)))
 
 
-def _transpose_rhs(g, lhs, rhs_ndim, dimension_numbers, scale, out_dtype):
-    """scale * (d rhs of dot_general(lhs, rhs) given output cotangent g), in `out_dtype`."""
+def _transpose_rhs(g, lhs, rhs_ndim, dimension_numbers, scales, out_dtype):
+    """scales' product * (d rhs of dot_general(lhs, rhs) given output cotangent g), in
+    `out_dtype`; `scales`: (lhs's, g's)."""
     (lc, rc), (lb, rb) = dimension_numbers
     l_free = _free_dims(lhs.ndim, lc, lb)
     r_free = _free_dims(rhs_ndim, rc, rb)
@@ -194,7 +211,7 @@ def _transpose_rhs(g, lhs, rhs_ndim, dimension_numbers, scale, out_dtype):
     # lhs first: for a kernel laid out (contracting, free), as every Dense is, the GEMM writes
     # dw in the kernel's own layout and XLA fuses the scale (g first left a transposed output
     # and a separate multiply kernel on the GPU).
-    raw = _scaled_dot(lhs, g, ((tuple(l_free), g_l), (tuple(lb), tuple(range(nb)))), scale,
+    raw = _scaled_dot(lhs, g, ((tuple(l_free), g_l), (tuple(lb), tuple(range(nb)))), scales,
                       out_dtype)
     # raw dims: batch, lhs contracting dims in ascending lhs order, then rhs free.
     src = list(rb) + [rc[k] for k in np.argsort(lc)] + r_free
@@ -233,7 +250,7 @@ def _fp8_fwd(st: _Static, lhs, rhs, meta: Fp8Meta):
     sx, inv_x = _step_scale(r, amax_x, meta.x, r.fwd_dtype)
     sw, inv_w = _step_scale(r, amax_w, meta.w, r.fwd_dtype)
     qx, qw = quantize(lhs, sx, r.fwd_dtype), quantize(rhs, sw, r.fwd_dtype)
-    out = _scaled_dot(qx, qw, st.dimension_numbers, inv_x * inv_w, st.out_dtype)
+    out = _scaled_dot(qx, qw, st.dimension_numbers, (inv_x, inv_w), st.out_dtype)
     res = (qx, qw, inv_x, inv_w, meta, amax_x, amax_w)
     return out, res
 
@@ -244,8 +261,8 @@ def _fp8_bwd(st: _Static, res, g):
     amax_g = _amax(g)
     sg, inv_g = _step_scale(r, amax_g, meta.g, r.bwd_dtype)
     qg = quantize(g, sg, r.bwd_dtype)
-    dx = _transpose_lhs(qg, qw, qx.ndim, st.dimension_numbers, inv_g * inv_w, st.lhs_dtype)
-    dw = _transpose_rhs(qg, qx, qw.ndim, st.dimension_numbers, inv_g * inv_x, st.rhs_dtype)
+    dx = _transpose_lhs(qg, qw, qx.ndim, st.dimension_numbers, (inv_g, inv_w), st.lhs_dtype)
+    dw = _transpose_rhs(qg, qx, qw.ndim, st.dimension_numbers, (inv_x, inv_g), st.rhs_dtype)
     length = meta.g.amax_history.shape[-1]
     meta_ct = Fp8Meta(_observation(amax_x, length), _observation(amax_w, length),
                       _observation(amax_g, length))

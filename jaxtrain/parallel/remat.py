@@ -80,6 +80,7 @@ def validate(r: RematConfig, layers_per_chunk: int | Sequence[int]) -> None:
     scans; a sequence when chunks differ (uneven first/last stages).
     """
     chunks = (layers_per_chunk,) if isinstance(layers_per_chunk, int) else tuple(layers_per_chunk)
+    _check_modules(r)
     if r.policy == "auto":
         raise RematConfigError(
             "remat.policy=auto must be resolved before the step is built: call "
@@ -131,10 +132,6 @@ def validate(r: RematConfig, layers_per_chunk: int | Sequence[int]) -> None:
     if not r.modules:
         raise RematConfigError("remat.granularity=selective needs remat.modules, e.g. "
                                f"core_attn; allowed: {', '.join(MODULES)}")
-    for mod in r.modules:
-        if mod not in MODULES:
-            raise RematConfigError(f"remat.modules: unknown module {mod!r}{_hint(mod, MODULES)}"
-                                   f"; allowed: {', '.join(MODULES)}")
     if r.offload:
         if not recomputed_tags(r):
             raise RematConfigError(
@@ -142,6 +139,22 @@ def validate(r: RematConfig, layers_per_chunk: int | Sequence[int]) -> None:
                 "offload (the attention core's internals are untagged); list tagged modules, "
                 "e.g. mlp or core_attn_out")
         check_offload_supported()
+
+
+def _check_modules(r: RematConfig) -> None:
+    """remat.modules names known modules whatever the granularity, and a list other than the
+    default is refused where nothing reads it (granularity none or full, or a policy): a
+    misspelt or inapplicable list never trains silently as something else."""
+    for mod in r.modules:
+        if mod not in MODULES:
+            raise RematConfigError(f"remat.modules: unknown module {mod!r}{_hint(mod, MODULES)}"
+                                   f"; allowed: {', '.join(MODULES)}")
+    if r.modules != RematConfig().modules and (r.policy or r.granularity != "selective"):
+        used = f"remat.policy={r.policy}" if r.policy else f"remat.granularity={r.granularity}"
+        raise RematConfigError(
+            f"remat.modules={','.join(r.modules)} is only used with remat.granularity=selective "
+            f"and no remat.policy; with {used} nothing reads it: set "
+            "remat.granularity=selective or drop remat.modules")
 
 
 def _fmt_chunks(chunks) -> str:

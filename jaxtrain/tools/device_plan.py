@@ -143,10 +143,13 @@ def too_few_devices_message(cfg: Config, present: int, kind: str, planned: Plann
             f"the layout {_degrees_text(cfg)} needs at least {need} devices"
             + (f" ({fill_axis(cfg)}=-1 counts as 1)" if fill_axis(cfg) else ""))
     plan_at = f" (the plan above is for {planned.n_devices})" if planned.n_devices else ""
+    fake = (f"; a model that fits in host memory runs on {need} fake CPU devices with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} (as the tests do)"
+            if kind == "cpu" else "")
     return (f"{what} but {present} {kind} device{'s are' if present != 1 else ' is'} present; "
             f"nothing was compiled or allocated. Run on >= {need} devices{plan_at}, shrink the "
             "layout with --parallel.* overrides, or check the step with --dry-run (it compiles "
-            f"on the {_devices(present)} present with a scaled layout)")
+            f"on the {_devices(present)} present with a scaled layout){fake}")
 
 
 def _devices(n: int) -> str:

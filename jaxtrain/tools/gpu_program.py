@@ -109,6 +109,45 @@ def gemms(text: str) -> list[Gemm]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Gemm:
+    op: str
+    result: str                     # the element type it writes, e.g. bf16
+    scales: tuple[frozenset, ...]   # per scalar (scale) operand: the element types its value
+                                    # passed through on the way (fused computations too)
+
+
+def _producer_types(comp, name: str, comps: dict, depth: int = 0) -> set[str]:
+    instr = comp.by_name.get(name)
+    if instr is None:
+        return set()
+    types = set(_ELEM_RE.findall(instr.shape))
+    if instr.opcode == "fusion":
+        types |= {t for c, _, _ in hlo_module.callees(instr) if c in comps
+                  for i in comps[c].instrs for t in _ELEM_RE.findall(i.shape)}
+    if instr.opcode not in ("parameter", "get-tuple-element", "constant") and depth < 16:
+        for operand in instr.operands:
+            types |= _producer_types(comp, operand, comps, depth + 1)
+    return types
+
+
+def fp8_gemm_scales(text: str) -> list[Fp8Gemm]:
+    """Every cuBLASLt FP8 GEMM with its result type and what its fp32 scale operands were
+    computed through: a bf16 there is a scale rounded to bf16 before the GEMM applied it."""
+    comps, _ = hlo_module.parsed(text)
+    out = []
+    for comp in comps.values():
+        for instr in comp.instrs:
+            if instr.opcode != "custom-call" or '"__cublas$lt$matmul$f8"' not in instr.attrs:
+                continue
+            scalars = [name for name, shape in zip(instr.operands, instr.operand_shapes)
+                       if (shape or comp.by_name[name].shape).startswith("f32[]")]
+            result = _ELEM_RE.search(instr.shape.lstrip("("))
+            out.append(Fp8Gemm(instr.name, result.group(1) if result else "?", tuple(
+                frozenset(_producer_types(comp, name, comps)) for name in scalars)))
+    return out
+
+
 def gemm_summary(gs: list[Gemm]) -> dict[tuple[str, str], tuple[int, float]]:
     """(backend, dtype) -> (ops, FLOPs per step)."""
     out: dict = {}

@@ -2,6 +2,7 @@
 
     python -m jaxtrain.plan --config configs/llama70b.py --devices 1024 --gpu h100 [--json]
     python -m jaxtrain.plan ... --tensor 8 --stage 4 --virtual-stages 5   # evaluate one layout
+                                        (what the flags invalidate is re-derived: plan_flags.py)
 
 The walk: tensor parallelism inside the NVLink domain (degrees that divide the heads and KV
 heads) -> for each tensor degree and recompute level, the smallest pipeline degree that fits
@@ -385,10 +386,12 @@ def main(argv=None) -> int:
         explicit = {k: getattr(args, k) for k in ("tensor", "stage", "virtual_stages", "context",
                                                   "micro_batch")}
         if any(v is not None for v in explicit.values()):
-            layout = explicit_layout(cfg, args.devices, fsdp=args.fsdp,
-                                     sequence_parallel=args.sequence_parallel,
-                                     zero1=args.zero1, **explicit)
-            est = estimate(cfg, layout, gpu)
+            from jaxtrain.tools.plan_flags import flagged_estimate
+            est, notes = flagged_estimate(cfg, args.devices, gpu, explicit, fsdp=args.fsdp,
+                                          sequence_parallel=args.sequence_parallel,
+                                          zero1=args.zero1)
+            for note in notes:  # stderr under --json: stdout stays one JSON document
+                print(note, file=sys.stderr if args.json else sys.stdout)
             cand = Candidate(est, role="explicit",
                              why=est.reason if est.fits else "does not fit: " + est.reason)
             if args.json:
