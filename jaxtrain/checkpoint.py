@@ -35,6 +35,7 @@ from jaxtrain import compat
 from jaxtrain.parallel import layer_order
 from jaxtrain.config import CheckpointConfig, ConfigError
 from jaxtrain.parallel.layer_order import LayerOrder
+from jaxtrain.train_state import TrainState
 
 LAYOUT_ITEM = "layout"
 FINGERPRINT_ITEM = "fingerprint"
@@ -72,8 +73,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, data_state: dict, order: LayerOrder | None = None) -> None:
+    def save(self, step: int, state: TrainState, data_state: dict,
+             order: LayerOrder | None = None) -> None:
         """Save asynchronously; `order`: the layer order of state's layer-stacked leaves."""
+        state = state.to_tree()
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
                  FINGERPRINT_ITEM: ocp.args.JsonSave(fingerprint(state))}
         if order is not None:
@@ -142,10 +145,11 @@ class Checkpointer:
         _sync_processes(f"jaxtrain_set_aside_{step}")
         return target
 
-    def restore(self, step: int, abstract_state, order: LayerOrder | None = None):
-        """Restore `step` onto the shardings of `abstract_state` (ShapeDtypeStructs), whose
-        layer-stacked leaves are in `order` (default: as saved); CheckpointCorruptError when
-        the values differ from those saved."""
+    def restore(self, step: int, abstract_state: TrainState, order: LayerOrder | None = None):
+        """(TrainState, data state) of `step`, restored onto the shardings of `abstract_state`
+        (ShapeDtypeStructs), whose layer-stacked leaves are in `order` (default: as saved);
+        CheckpointCorruptError when the values differ from those saved."""
+        abstract_state = abstract_state.to_tree()
         saved = order
         if order is not None:
             saved = read_layer_order(self.directory / str(step), order.num_layers)
@@ -168,7 +172,7 @@ class Checkpointer:
             shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
             state = jax.jit(lambda s: layer_order.convert(s, saved, order),
                             out_shardings=shardings)(state)
-        return state, restored["data"]
+        return TrainState.from_tree(state), restored["data"]
 
     def _check_shapes(self, step, abstract_state):
         meta = self.manager.item_metadata(step)
