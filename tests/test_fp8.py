@@ -278,7 +278,8 @@ def test_current_recipe_scales_from_the_tensor_itself():
 def test_margin_in_the_matmul():
     cfg = cfg_of(margin=2)
     x, w = normal(5, (16, 32)), normal(6, (32, 16))
-    _, _, mg = grads_fn(cfg, (((1,), (0,)), ((), ())))(x, w, fp8_matmul.init_meta(cfg), jnp.ones((16, 16)))
+    _, _, mg = grads_fn(cfg, (((1,), (0,)), ((), ())))(x, w, fp8_matmul.init_meta(cfg),
+                                                      jnp.ones((16, 16)))
     meta = update(fp8_matmul.init_meta(cfg), mg, cfg)
     np.testing.assert_allclose(meta.x.scale, E4M3_MAX / 4 / float(jnp.max(jnp.abs(x))), rtol=1e-6)
     np.testing.assert_allclose(meta.g.scale, E5M2_MAX / 4, rtol=1e-6)
@@ -402,7 +403,8 @@ def test_microbatch_amax_is_the_max_with_combine():
 
 def test_update_a_variables_tree():
     cfg = cfg_of()
-    tree = {"layer": {"kernel": jnp.ones((32, 16)), "fp8": fp8_matmul.init_meta(cfg)}, "bias": jnp.ones(3)}
+    tree = {"layer": {"kernel": jnp.ones((32, 16)), "fp8": fp8_matmul.init_meta(cfg)},
+            "bias": jnp.ones(3)}
     grads = jax.tree.map(jnp.zeros_like, tree)
     grads["layer"]["fp8"] = grads["layer"]["fp8"].replace(
         w=fp8_matmul._observation(jnp.float32(2.0), 4))
@@ -410,6 +412,57 @@ def test_update_a_variables_tree():
     np.testing.assert_array_equal(new["layer"]["kernel"], tree["layer"]["kernel"])
     assert float(new["layer"]["fp8"].w.scale) == div32(E4M3_MAX, 2.0)
     assert float(new["layer"]["fp8"].x.scale) == 1.0  # no observation: unchanged
+
+
+def test_the_converter_off_is_the_identity_of_a_bf16_run():
+    """FP8 off: one layer span, no meta, an empty meta state that every method leaves empty,
+    the model's own dot_general, and cotangent trees summed as gradients are."""
+    off = fp8.Fp8Converter.of(Fp8Config(enabled=False))
+    assert off == fp8.Fp8Converter() and off.layer_spans(4) == [(0, 4, False)]
+    assert off.layer_kinds() == (False,) and off.new_meta() is None
+    assert off.fresh({}) == {} and off.update({}, {}) == {} and off.combine({}, {}) == {}
+    assert off.for_run(None, {}) == ({}, False)
+    x, w, dims = normal(30, (4, 16)), normal(31, (16, 16)), (((1,), (0,)), ((), ()))
+    np.testing.assert_array_equal(
+        off.project(x, w, dims, None, fp8=False, dot_general=jax.lax.dot_general, name="t"),
+        jax.lax.dot_general(x, w, dims))
+    with pytest.raises(fp8_matmul.Fp8Error, match="t: fp8=True but .* set fp8.enabled=true"):
+        off.project(x, w, dims, None, fp8=True, dot_general=jax.lax.dot_general, name="t")
+    stacked = {"w": jnp.arange(6.0).reshape(2, 3)}
+    np.testing.assert_array_equal(off.reduce(stacked, 0)["w"], [3.0, 5.0, 7.0])
+    np.testing.assert_array_equal(off.add_at(stacked, 1, {"w": jnp.ones(3)})["w"][1],
+                                  [4.0, 5.0, 6.0])
+
+
+def _observations(amax, used, length=4):
+    """Encoded observations (count, summed amax) of any batch shape."""
+    used = jnp.asarray(used, jnp.float32)
+    history = jnp.zeros((*used.shape, length)).at[..., 0].set(jnp.asarray(amax) * used)
+    role = fp8_matmul.TensorMeta(used, jnp.zeros_like(used), history)
+    return fp8_matmul.Fp8Meta(role, role, role)
+
+
+def test_per_expert_metas_combine_and_update_per_expert():
+    """A meta stacked [layers, experts] (what a mixture-of-experts layer will own): two
+    microbatches' observations combine per expert, replicas stacked on an axis reduce per
+    expert, and the update sets each expert's scale from its own max; an expert no token
+    reached keeps its state."""
+    conv = fp8.Fp8Converter.of(Fp8Config(enabled=True, amax_history_len=4))
+    meta = conv.new_meta((2, 3)).get_value()
+    assert meta.x.scale.shape == (2, 3) and meta.x.amax_history.shape == (2, 3, 4)
+    used = [[1, 1, 0], [1, 0, 0]]
+    a = _observations([[1.0, 8.0, 0.0], [2.0, 0.0, 0.0]], used)
+    b = _observations([[4.0, 2.0, 0.0], [0.5, 0.0, 0.0]], used)
+    combined = conv.combine({"moe": a}, {"moe": b})
+    stacked = jax.tree.map(lambda u, v: jnp.stack([u, v]), {"moe": a}, {"moe": b})
+    reduced = conv.reduce(stacked, 0)
+    jax.tree.map(np.testing.assert_array_equal, reduced, combined)
+    new = conv.update({"moe": meta}, combined)["moe"]
+    want = np.array([[4.0, 8.0, 0.0], [2.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(new.x.amax_history[..., -1], want)
+    np.testing.assert_allclose(new.x.scale, np.where(want > 0, E4M3_MAX / np.maximum(want, 1),
+                                                     1.0), rtol=1e-6)
+    np.testing.assert_allclose(new.g.scale[0, 0], E5M2_MAX / 4.0, rtol=1e-6)
 
 
 def test_misaligned_dims_raise_naming_the_layer():
@@ -445,7 +498,8 @@ class _Fp8DenseGeneral(nn.Module):
     @nn.compact
     def __call__(self, x):
         meta = self.variable(FP8_COLLECTION, "meta", fp8_matmul.init_meta, self.cfg)
-        dot = functools.partial(fp8_matmul.fp8_dot_general, meta=meta.value, cfg=self.cfg, name=self.name)
+        dot = functools.partial(fp8_matmul.fp8_dot_general, meta=meta.value, cfg=self.cfg,
+                                name=self.name)
         return nn.DenseGeneral(self.features, use_bias=False, dot_general=dot, name="proj")(x)
 
 
@@ -500,7 +554,8 @@ def test_nan_entries_are_skipped_as_te_cast_kernels_skip_them():
 
 
 def test_meta_reductions_skip_a_nan_replica():
-    obs = lambda *amaxes: fp8_matmul.Fp8Meta(*(fp8_matmul._observation(jnp.float32(a), 4) for a in amaxes))
+    obs = lambda *amaxes: fp8_matmul.Fp8Meta(*(fp8_matmul._observation(jnp.float32(a), 4)
+                                               for a in amaxes))
     replicas = [obs(1.0, 2.0, 3.0), obs(np.nan, 5.0, np.nan), obs(4.0, np.nan, 0.5)]
     want = [4.0, 5.0, 3.0]
     check = lambda m: [float(r.amax_history[0] / r.scale) for r in (m.x, m.w, m.g)] == want
@@ -581,7 +636,8 @@ def test_replicated_operand_under_shard_map_gets_autodiffs_gradient(x_spec, w_sp
     cfg = cfg_of()
     x, w = normal(23, (64, 32)), normal(24, (32, 128), 0.1)
     dy = normal(25, (64, 128), 1e-2)
-    meta = update(fp8_matmul.init_meta(cfg), grads_fn(cfg, DN_2D)(x, w, fp8_matmul.init_meta(cfg), dy)[2], cfg)
+    fresh = fp8_matmul.init_meta(cfg)
+    meta = update(fresh, grads_fn(cfg, DN_2D)(x, w, fresh, dy)[2], cfg)
     dx, dw, mg = _sharded_grads(x_spec, w_spec, x, w, dy, meta, cfg)
     want_dx, want_dw, want_mg = grads_fn(cfg, DN_2D)(x, w, meta, dy)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-7)

@@ -300,9 +300,11 @@ def test_data_replicas_with_embedding_inside_reduce_once_after_the_loop():
 
 # Compiled temp memory per device (CPU, p=4, D=256, 4x32 tokens per microbatch: 0.125 MiB of
 # activations), embedding inside the first stage, m = 8 -> 32. Measured on jax 0.10.2 with the
-# residual stash (each F keeps its layer's x, x @ w1 and tanh of it, ...: 7 x 0.125 MiB):
-#   executor 1F1B    7.02 -> 7.02 MiB: 0.000 MiB per microbatch (stash (6, 4, 2, 0) at both m)
-#   executor GPipe   9.39 -> 30.39 MiB: 0.875 MiB per microbatch (stash m per rank)
+# residual stash (each F keeps its layer's x, x @ w1 and tanh of it, ...: 4 x 0.125 MiB), the
+# same before and after the public-API port of issue 25 (7.02 and 9.39 -> 30.39 MiB recorded
+# here earlier, with the stash holding 7 activations):
+#   executor 1F1B    4.39 -> 4.39 MiB: 0.000 MiB per microbatch (stash (6, 4, 2, 0) at both m)
+#   executor GPipe   6.02 -> 18.02 MiB: 0.5 MiB per microbatch (stash m per rank)
 # (Before, with only chunk inputs stashed and the chunk recomputed in every B: 2.02 -> 2.02 and
 # 2.39 -> 5.39 MiB; autodiff through the forward ops, no remat: 13.37 -> 37.59 MiB.)
 # GPipe stashes every microbatch's residuals (m per rank); 1F1B's stash is fixed by p, and
