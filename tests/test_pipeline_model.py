@@ -204,18 +204,20 @@ def test_an_auxiliary_loss_reaches_both_executors_gradients_and_metrics(monkeypa
     params, batch, _, ref_tokens, plain_grads, plain_metrics = reference()
     assert plain_metrics == {}   # the language-model loss alone adds no metric
     monkeypatch.setattr(loss_lib, "token_loss", _loss_with_an_auxiliary_term)
-    got = {}
+    got, setups = {}, {}
     for name, overrides, devices in (("replica", ["--parallel.data=1"], jax.devices()[:1]),
                                      ("pipeline", LAYOUTS["gpipe_p2_m4_data4_zero1"],
                                       jax.devices())):
-        setup = build_setup(tiny_config(*BASE, *overrides), devices)
+        setup = setups[name] = build_setup(tiny_config(*BASE, *overrides), devices)
         args = place(setup, params, batch)
         out = jax.device_get(compile_fast(step.loss_and_grads(setup), *args)(*args))
         got[name] = (out, layer_order.convert(out.grads, setup.layer_order,
                                               LayerOrder.natural(4)))
     # the train step's metrics (what the trainer logs) carry them too
+    setup = setups["replica"]
     state = setup_lib.train_state_from_params(setup, params)
-    logged = jax.device_get(step.make_train_step(setup, donate=False)(state, args[1])[1])
+    logged = jax.device_get(step.make_train_step(setup, donate=False)(
+        state, place(setup, params, batch)[1])[1])
     (replica_out, replica_grads), (piped_out, piped_grads) = got["replica"], got["pipeline"]
     assert max_diff(piped_grads, replica_grads) < TOL
     assert max_diff(replica_grads, plain_grads) > 100 * TOL   # the term is in the gradients
