@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 
 from jaxtrain import step  # noqa: E402
+from jaxtrain.executors import setup as setup_lib  # noqa: E402
 from jaxtrain.parallel import sharding  # noqa: E402
 from jaxtrain.tools import hlo  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
@@ -32,11 +33,11 @@ def measure(c: int, strategy: str, extra):
         "--model.num_layers=2", f"--train.seq_len={SEQ}", f"--model.max_seq_len={SEQ}",
         "--train.global_batch=1", "--parallel.data=1", f"--parallel.context={c}",
         f"--parallel.context_strategy={strategy}", "--model.attention=xla", *extra])
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:c]))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:c]))
     train_step = step.make_train_step(setup, donate=False)
     batch = random_batch(cfg, setup.mesh)
     memory = hlo.memory(train_step.lower(setup.abstract_train_state, batch).compile())
-    state = step.init_train_state(setup, 0)
+    state = setup_lib.init_train_state(setup, 0)
     state, metrics = train_step(state, batch)
     jax.block_until_ready(state)
     times = []

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain.model import fp8 as fp8_lib  # noqa: E402
+from jaxtrain.model import fp8_matmul  # noqa: E402
 from jaxtrain.config import Fp8Config, load_config  # noqa: E402
 
 _F8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
@@ -58,14 +58,14 @@ def gemm_row(m: int, n: int, k: int, reps: int, cfg: Fp8Config) -> dict:
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     dims = (((1,), (0,)), ((), ()))
-    meta = fp8_lib.init_meta(cfg)
+    meta = fp8_matmul.init_meta(cfg)
 
     def bf16(x, w):
         return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.bfloat16)
 
     def f8(x, w, meta):
-        return fp8_lib.fp8_dot_general(x, w, dims, meta=meta, cfg=cfg,
-                                       preferred_element_type=jnp.bfloat16)
+        return fp8_matmul.fp8_dot_general(x, w, dims, meta=meta, cfg=cfg,
+                                          preferred_element_type=jnp.bfloat16)
 
     def fwd_bwd(f, *extra):
         return jax.jit(jax.grad(lambda x, w, *e: jnp.sum(f(x, w, *e).astype(jnp.float32)),
@@ -84,6 +84,7 @@ def gemm_row(m: int, n: int, k: int, reps: int, cfg: Fp8Config) -> dict:
 
 def model_step(overrides: list[str], reps: int) -> dict:
     from jaxtrain import step
+    from jaxtrain.executors import setup as setup_lib
     from jaxtrain.parallel import sharding
     from jaxtrain.tools.remat_sweep import random_batch
     out = {}
@@ -91,8 +92,8 @@ def model_step(overrides: list[str], reps: int) -> dict:
         cfg = load_config("configs/tiny.py", [*overrides, f"--fp8.enabled={str(enabled).lower()}",
                                               "--parallel.data=-1"])
         mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
-        setup = step.build(cfg, mesh)
-        state = step.init_train_state(setup, 0)
+        setup = setup_lib.build(cfg, mesh)
+        state = setup_lib.init_train_state(setup, 0)
         train_step = step.make_train_step(setup, donate=False)
         batch = random_batch(cfg, mesh)
         b, s = cfg.train.global_batch, cfg.train.seq_len

@@ -42,6 +42,7 @@ import attention as attention_bench  # noqa: E402  (bench/attention.py)
 import fp8 as fp8_bench  # noqa: E402  (bench/fp8.py)
 import moe as moe_bench  # noqa: E402  (bench/moe.py)
 from jaxtrain import step  # noqa: E402
+from jaxtrain.executors import setup as setup_lib  # noqa: E402
 from jaxtrain.parallel import sharding  # noqa: E402
 from jaxtrain.tools import hlo  # noqa: E402
 from jaxtrain.config import Fp8Config, load_config  # noqa: E402
@@ -161,7 +162,7 @@ def model_row(overrides: list[str], label: str, reps: int) -> dict:
     from jaxtrain.tools.remat_sweep import random_batch, zero_train_state
     cfg = load_config("configs/tiny.py", overrides)
     mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
-    setup = step.build(cfg, mesh)
+    setup = setup_lib.build(cfg, mesh)
     state = zero_train_state(setup)
     batch = random_batch(cfg, mesh)
     train_step = step.make_train_step(setup, donate=False)

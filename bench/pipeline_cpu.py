@@ -16,10 +16,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 
 from jaxtrain import step  # noqa: E402
+from jaxtrain.executors import setup as setup_lib  # noqa: E402
 from jaxtrain.parallel import sharding  # noqa: E402
 from jaxtrain.tools import hlo  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.parallel.pipeline_schedule import build_schedule  # noqa: E402
+from jaxtrain.ledger.pipeline_schedule import build_schedule  # noqa: E402
 from jaxtrain.tools.remat_sweep import random_batch  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
@@ -30,11 +31,11 @@ def measure(schedule, v, m, extra):
         "--model.num_layers=8", "--parallel.stage=4", "--parallel.data=2",
         f"--parallel.schedule={schedule}", f"--parallel.virtual_stages={v}",
         f"--parallel.microbatches={m}", f"--train.global_batch={2 * m}", *extra])
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel))
     train_step = step.make_train_step(setup, donate=False)
     batch = random_batch(cfg, setup.mesh)
     temp = hlo.memory(train_step.lower(setup.abstract_train_state, batch).compile())
-    state = step.init_train_state(setup, 0)
+    state = setup_lib.init_train_state(setup, 0)
     jax.block_until_ready(train_step(state, batch))
     times = []
     for _ in range(3):

@@ -22,40 +22,29 @@ CheckpointCorruptError when none is readable; it never starts fresh over checkpo
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import pathlib
 import re
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint_logs, checkpoint_vocab, compat
+from jaxtrain.checkpoint_integrity import (  # noqa: F401 (the errors are this module's API)
+    DATA_KEY, CheckpointCorruptError, CheckpointMismatchError, CheckpointSaveError,
+    check_data_fingerprint, check_fingerprint, check_shapes, check_step, data_fingerprint,
+    fingerprint, path_name as _path_name)
 from jaxtrain.parallel import layer_order
 from jaxtrain.config import CheckpointConfig, ConfigError
 from jaxtrain.parallel.layer_order import LayerOrder
+from jaxtrain.train_state import TrainState
 
 LAYOUT_ITEM = "layout"
 FINGERPRINT_ITEM = "fingerprint"
-DATA_KEY = "data"  # the fingerprint's entry for the data item (no state leaf has this path)
 SET_ASIDE_SUFFIX = ".unreadable"
-
-
-class CheckpointMismatchError(ConfigError):
-    """A checkpoint that does not fit the configured model; names the parameter."""
-
-
-class CheckpointSaveError(ConfigError):
-    """A save that could not be written (disk full, permissions); the previous one is kept."""
-
-
-class CheckpointCorruptError(ConfigError):
-    """Checkpoints exist but none can be read back as it was saved."""
 
 
 class Checkpointer:
@@ -83,8 +72,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, data_state: dict, order: LayerOrder | None = None) -> None:
+    def save(self, step: int, state: TrainState, data_state: dict,
+             order: LayerOrder | None = None) -> None:
         """Save asynchronously; `order`: the layer order of state's layer-stacked leaves."""
+        state = state.to_tree()
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
                  FINGERPRINT_ITEM: ocp.args.JsonSave({**fingerprint(state),
                                                       DATA_KEY: data_fingerprint(data_state)})}
@@ -160,13 +151,14 @@ class Checkpointer:
         _sync_processes(f"jaxtrain_set_aside_{step}")
         return target
 
-    def restore(self, step: int, abstract_state, order: LayerOrder | None = None, *,
-                model=None):
-        """Restore `step` onto the shardings of `abstract_state` (ShapeDtypeStructs), whose
-        layer-stacked leaves are in `order` (default: as saved); CheckpointCorruptError when
-        the values differ from those saved. With `model` (the configured ModelConfig, its real
-        vocab) vocab tables padded for another tensor degree are re-padded
-        (checkpoint_vocab.py), and a shape that differs is named by its cause."""
+    def restore(self, step: int, abstract_state: TrainState, order: LayerOrder | None = None,
+                *, model=None):
+        """(TrainState, data state) of `step`, restored onto the shardings of `abstract_state`
+        (ShapeDtypeStructs), whose layer-stacked leaves are in `order` (default: as saved);
+        CheckpointCorruptError when the values differ from those saved. With `model` (the
+        configured ModelConfig, its real vocab) vocab tables padded for another tensor degree
+        are re-padded (checkpoint_vocab.py), and a shape that differs is named by its cause."""
+        abstract_state = abstract_state.to_tree()
         saved = order
         if order is not None:
             saved = read_layer_order(self.directory / str(step), order.num_layers)
@@ -200,7 +192,7 @@ class Checkpointer:
                 return checkpoint_vocab.repad(s, abstract_state, model.vocab_size, _path_name) \
                     if model is not None else s
             state = jax.jit(convert, out_shardings=shardings)(state)
-        return state, restored["data"]
+        return TrainState.from_tree(state), restored["data"]
 
     def _source(self, step: int) -> str:
         return f"checkpoint {self.directory}/{step}"
@@ -285,84 +277,6 @@ def _sync_processes(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
-
-
-def fingerprint(state) -> dict[str, list[int]]:
-    """{leaf path: [sum of its values' bits, sum of bits x (flat index + 1)]}, both mod 2**32.
-
-    Exact integer sums, so the same values give the same fingerprint on any mesh and sharding;
-    any one changed value changes the first, moved values the second. One reduction per leaf
-    on the device; the host reads a few integers."""
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    sums = _fingerprint_sums([a for _, a in leaves])
-    return {_path_name(p): [int(a), int(b)] for (p, _), (a, b) in zip(leaves, jax.device_get(sums))}
-
-
-@jax.jit
-def _fingerprint_sums(arrays):
-    def sums(x):
-        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-        index = jnp.zeros(x.shape, jnp.uint32)
-        for axis, size in enumerate(x.shape):  # the flat (row-major) index, wrapping at 2**32
-            index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
-        return jnp.sum(bits), jnp.sum(bits * (index + 1))
-    return [sums(x) for x in arrays]
-
-
-def check_fingerprint(state, saved: dict, source: str) -> None:
-    now = fingerprint(state)
-    for name, value in now.items():
-        if name in saved and list(saved[name]) != value:
-            raise CheckpointCorruptError(f"{source}: {name} does not hold the values that were "
-                                         "saved (its fingerprint differs); the files are damaged")
-
-
-def data_fingerprint(data_state: dict) -> list[int]:
-    """Two 32-bit words of the sha256 of the data state's JSON: an edited position (or any
-    other field) reads back as damage, like the state's values."""
-    digest = hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).digest()
-    return [int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")]
-
-
-def check_data_fingerprint(data_state: dict, saved: dict, source: str) -> None:
-    if DATA_KEY in saved and list(saved[DATA_KEY]) != data_fingerprint(data_state):
-        raise CheckpointCorruptError(f"{source}: its data position does not hold what was saved "
-                                     "(its fingerprint differs); the files are damaged")
-
-
-def check_step(state, step: int, source: str) -> None:
-    """The folder's name is the step its state was saved at: a renamed or copied folder is
-    damage (restored, it would collide with the saves after it)."""
-    if isinstance(state, dict) and "step" in state and int(state["step"]) != step:
-        raise CheckpointCorruptError(f"{source}: it holds the train state of step "
-                                     f"{int(state['step'])}, not {step} (a renamed or copied "
-                                     "folder)")
-
-
-def check_shapes(have, want, source: str, *, missing: str, different) -> None:
-    """Raise CheckpointMismatchError naming the first leaf of `want` (params first) that `have`
-    lacks or holds in another shape; both are pytrees of things with a .shape (`have` may be
-    {leaf name: shape}). `different`: the advice, or a function (name, have, want) -> it."""
-    have_shapes = have if isinstance(have, dict) and all(isinstance(v, tuple) for v in
-                                                         have.values()) else {
-        _path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(have)[0]}
-    wanted = jax.tree_util.tree_flatten_with_path(want)[0]
-    wanted.sort(key=lambda pw: not _path_name(pw[0]).startswith("params"))
-    for path, w in wanted:
-        name = _path_name(path)
-        if name not in have_shapes:
-            raise CheckpointMismatchError(f"{source} has no entry {name}; {missing}")
-        if have_shapes[name] != tuple(w.shape):
-            advice = (different(name, have_shapes[name], tuple(w.shape)) if callable(different)
-                      else different)
-            raise CheckpointMismatchError(
-                f"{source}: {name} has shape {have_shapes[name]} but the configured model needs "
-                f"{tuple(w.shape)}; {advice}")
-
-
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def read_layer_order(step_dir: str | pathlib.Path, num_layers: int) -> LayerOrder:

@@ -123,8 +123,8 @@ def check_devices(cfg, gpu, devices: int | None, config_name: str) -> None:
 def inspect(cfg) -> str:
     from flax import nnx
 
-    from jaxtrain import step
-    from jaxtrain.parallel import sharding
+    from jaxtrain.executors import setup as setup_lib
+    from jaxtrain.parallel import sharding, sharding_report
     mesh = sharding.make_mesh(cfg.parallel)
-    setup = step.build(cfg, mesh)
-    return sharding.describe(setup.logical, nnx.to_pure_dict(setup.abstract_state), mesh)
+    setup = setup_lib.build(cfg, mesh)
+    return sharding_report.describe(setup.logical, nnx.to_pure_dict(setup.abstract_state), mesh)

@@ -1,6 +1,7 @@
 """`check(cfg, n_devices)`: every rule a config must pass to run on n devices, before anything
-is built or compiled. step.build calls it (so the trainer, `--inspect-sharding`, the dry run's
-and the remat sweep's compiles do), and the dry run on the config it scales to the devices.
+is built or compiled. executors/setup.build calls it (so the trainer, `--inspect-sharding`, the
+dry run's and the remat sweep's compiles do), and the dry run on the config it scales to the
+devices.
 
 Each rule lives once; check applies them all, in this order:
 - `config.validate` (also Config.validate, at load): what needs no devices — positive sizes
@@ -27,7 +28,7 @@ Each rule lives once; check applies them all, in this order:
   refused (the MoE model exists; the executors, the ledger and expert parallelism do not).
 
 What needs the mesh's devices or arrays stays where it is: ring attention under stages on
-XLA:CPU (context_attention.check_backend, in step.build), cudnn and the Pallas kernel's shapes
+XLA:CPU (context_attention.check_backend, in setup.build), cudnn and the Pallas kernel's shapes
 (attention.select), and the array contracts of the attention cores, kernels and pipeline
 executor. Not in check yet: pipeline_schedule.validate's "virtual stages need
 schedule=interleaved_1f1b" fails when the pipelined step is traced (the ledger and the dry
@@ -91,8 +92,8 @@ def check_fp8_layout(cfg: Config, tensor: int) -> None:
                     "model dims")
     r = cfg.remat
     if not r.policy and r.granularity == "full" and r.method == "uniform":
-        # the ranges the layer stack runs as (llama.layer_spans)
-        spans = [(a, b) for a, b in ((0, first), (first, last), (last, m.num_layers)) if b > a]
+        from jaxtrain.model.fp8 import Fp8Converter   # the ranges the layer stack runs as
+        spans = [(a, b) for a, b, _ in Fp8Converter.of(f).layer_spans(m.num_layers)]
         if any((b - a) % r.num_layers for a, b in spans):
             raise Fp8LayoutError(
                 f"remat.method=uniform remat.num_layers={r.num_layers} must divide the length "

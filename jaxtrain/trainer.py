@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxtrain import data as data_lib
 from jaxtrain import step as step_lib, weights
+from jaxtrain.executors import setup as setup_lib
 from jaxtrain.parallel import sharding
 from jaxtrain import run_report
 from jaxtrain.checkpoint import Checkpointer, check_fresh_start, check_steps_left
@@ -28,6 +29,7 @@ from jaxtrain.config import Config, ConfigError
 from jaxtrain.ledger.layout import layout_from_config
 from jaxtrain.metrics import DATA_SPAN, MetricsWriter, Throughput, device_memory_gb
 from jaxtrain.preemption import StopRequest
+from jaxtrain.train_state import TrainState
 
 
 class NonFiniteLossError(RuntimeError):
@@ -77,7 +79,7 @@ def pipeline_summary(cfg: Config, stages: int) -> str:
     """The configured schedule's bubble (ledger) and static in-flight bound (simulator)."""
     from jaxtrain.ledger import bubble_fraction
     from jaxtrain.ledger.layout import stage_layer_counts
-    from jaxtrain.parallel.pipeline_schedule import build_schedule
+    from jaxtrain.ledger.pipeline_schedule import build_schedule
     p, v, m = stages, cfg.parallel.virtual_stages, cfg.parallel.microbatches
     schedule = build_schedule(cfg.parallel.schedule, p, m, v)
     return (f"pipeline: {cfg.parallel.schedule} stages={p} virtual={v} microbatches={m}; layers "
@@ -88,24 +90,24 @@ def pipeline_summary(cfg: Config, stages: int) -> str:
 
 def global_batch_array(setup, local_batch: dict) -> dict:
     """Assemble this process's rows into global arrays sharded over (data, fsdp)."""
-    sh = setup.batch_shardings
+    sh, keys = setup.batch_shardings, setup_lib.BATCH_KEYS
     if jax.process_count() == 1:
-        return {k: jax.device_put(np.asarray(local_batch[k]), sh[k]) for k in step_lib.BATCH_KEYS}
+        return {k: jax.device_put(np.asarray(local_batch[k]), sh[k]) for k in keys}
     return {k: jax.make_array_from_process_local_data(sh[k], np.asarray(local_batch[k]))
-            for k in step_lib.BATCH_KEYS}
+            for k in keys}
 
 
-def evaluate(setup, eval_step, state, batches, n_batches: int) -> float:
+def evaluate(setup, eval_step, state: TrainState, batches, n_batches: int) -> float:
     """Mean token loss over `n_batches` held-out batches (in FP8 when the run trains in FP8)."""
-    sums = [eval_step(state["params"], global_batch_array(setup, next(batches)),
-                      state.get("fp8_meta")) for _ in range(n_batches)]   # dispatched, then read
+    sums = [eval_step(state.params, global_batch_array(setup, next(batches)), state.fp8_meta)
+            for _ in range(n_batches)]   # dispatched, then read
     loss_sum = count = 0.0
     for s, c in jax.device_get(sums):
         loss_sum, count = loss_sum + float(s), count + float(c)
     return loss_sum / max(count, 1.0)
 
 
-def restore_or_init(cfg: Config, setup, ckpt: Checkpointer, train_batches, log) -> dict:
+def restore_or_init(cfg: Config, setup, ckpt: Checkpointer, train_batches, log) -> TrainState:
     """The train state to start from: the latest readable checkpoint (and its data position),
     else imported weights (checkpoint.init_from), else a fresh init from train.seed."""
     for path in ckpt.interrupted_saves:
@@ -119,10 +121,10 @@ def restore_or_init(cfg: Config, setup, ckpt: Checkpointer, train_batches, log) 
         return state
     if cfg.checkpoint.init_from:
         params, _ = weights.load_params(cfg.checkpoint.init_from)
-        state = step_lib.train_state_from_params(setup, params)
+        state = setup_lib.train_state_from_params(setup, params)
         log(f"initialised from {cfg.checkpoint.init_from}")
         return state
-    return step_lib.init_train_state(setup, cfg.train.seed)
+    return setup_lib.init_train_state(setup, cfg.train.seed)
 
 
 def train(cfg: Config, *, log=print, on_profile=None) -> dict:
@@ -150,7 +152,7 @@ def _train(cfg: Config, stop: StopRequest, started: float, log, on_profile) -> d
     train_batches = data_lib.make_batches(cfg, "train", jax.process_index(), jax.process_count())
     eval_batches = (data_lib.make_batches(cfg, "eval", jax.process_index(), jax.process_count())
                     if cfg.train.eval_every else None)
-    setup = step_lib.build(cfg, mesh)
+    setup = setup_lib.build(cfg, mesh)
     if mesh.shape["stage"] > 1 and is_main:
         log(pipeline_summary(cfg, mesh.shape["stage"]))
     previous = run_report.read_previous_config(workdir)
@@ -158,7 +160,7 @@ def _train(cfg: Config, stop: StopRequest, started: float, log, on_profile) -> d
         write_run_info(workdir, cfg)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
     state = restore_or_init(cfg, setup, ckpt, train_batches, log)
-    start = int(state["step"])
+    start = int(state.step)
     if is_main:
         log(run_report.header(cfg, layout_from_config(cfg, mesh.size),
                               jax.devices()[0].device_kind, jax.process_count(), start))
@@ -187,7 +189,7 @@ def _train(cfg: Config, stop: StopRequest, started: float, log, on_profile) -> d
         ckpt.close()
         loop.writer.close()
     if is_main:
-        log(run_report.closing(int(state["step"]), cfg, loop.last_logged,
+        log(run_report.closing(int(state.step), cfg, loop.last_logged,
                                last is not None and f"{ckpt.directory}/{last}",
                                time.monotonic() - started))
     return loop.last_logged

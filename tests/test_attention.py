@@ -13,8 +13,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxtrain import step
+from jaxtrain.executors import setup as setup_lib
 from jaxtrain.model import attention
-from jaxtrain.parallel import context_attention, sharding
+from jaxtrain.parallel import context_attention, sharded_kernels, sharding
 from jaxtrain.config import ModelConfig
 from util import random_batch, random_params, tiny_config
 
@@ -23,18 +24,18 @@ BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=
 
 def _loss_and_grads(overrides, devices, params0=None):
     cfg = tiny_config(*BASE, *overrides)
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, devices))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, devices))
     if params0 is None:
         params0 = random_params(setup)
     params = jax.device_put(params0, setup.param_shardings)
     batch = random_batch(cfg, 0, docs_per_row=3)  # packed rows: segments matter
-    lowered = step.make_grad_step(setup).lower(params, batch)
+    lowered = step.make_grad_step(setup).lower(params, batch, {})
     # The kernel really runs (its forward and both backward kernels), not an XLA fallback.
     kernels = {"jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq"}
     hlo = lowered.as_text(debug_info=True)
     assert all((k in hlo) == (cfg.model.attention == "pallas") for k in kernels)
     grad_step = lowered.compile()
-    loss, _, grads = grad_step(params, batch)
+    loss, _, grads, _ = grad_step(params, batch, {})
     return float(loss), jax.device_get(grads), params0
 
 
@@ -76,7 +77,7 @@ def test_uneven_groups_and_unsplittable_batch():
     KV heads 0,0,0,0,1,1) and a batch row per data replica that fsdp=2 cannot split, inside a
     shard_map with `data` manual, as the train step runs the model."""
     mesh = _mesh(data=2, fsdp=2, tensor=2)
-    sharded = sharding.ShardedAttention(attention.PallasAttention(interpret=True), mesh)
+    sharded = sharded_kernels.ShardedAttention(attention.PallasAttention(interpret=True), mesh)
     rng = np.random.default_rng(0)
     b, s, h, k, e = 2, 32, 12, 3, 16
     q_BSHE, w_BSHE = (jnp.asarray(rng.standard_normal((b, s, h, e), np.float32))
@@ -109,7 +110,7 @@ def _model(**kw):
 
 
 def _on_mesh(model, mesh):
-    return sharding.shard_attention(attention.select(model, sharding.platform(mesh)), mesh)
+    return sharded_kernels.shard_attention(attention.select(model, sharding.platform(mesh)), mesh)
 
 
 def test_selection():
@@ -119,12 +120,12 @@ def test_selection():
     assert attention.select(_model(attention="pallas"), "cpu") == interpreted
     assert _on_mesh(_model(attention="pallas"), _mesh()) == interpreted
     sharded = _on_mesh(_model(attention="pallas"), _mesh(tensor=2))
-    assert isinstance(sharded, sharding.ShardedAttention) and sharded.kernel == interpreted
+    assert isinstance(sharded, sharded_kernels.ShardedAttention) and sharded.kernel == interpreted
     # GSPMD partitions the XLA path; it needs no shard_map.
     assert _on_mesh(_model(attention="xla"), _mesh(tensor=2)) is attention.xla_attention
     # Under context parallelism every core runs per shard with the context plan.
     cp = _on_mesh(_model(attention="xla"), _mesh(context=2, tensor=2))
-    assert isinstance(cp, sharding.ShardedAttention) and cp.kernel is attention.xla_attention
+    assert isinstance(cp, sharded_kernels.ShardedAttention) and cp.kernel is attention.xla_attention
     assert cp.context == context_attention.ContextPlan("all_gather", True)
 
 

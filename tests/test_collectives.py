@@ -31,6 +31,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import step
+from jaxtrain.executors import setup as setup_lib
 from jaxtrain.parallel import sharding
 from jaxtrain.tools import hlo, hlo_module
 from jaxtrain.ledger import comm
@@ -54,11 +55,11 @@ def compiled_step(name: str):
     """(cfg, setup, compiled train step, collectives) of one layout of test_parallel.py (or of
     CP_LAYOUTS below)."""
     cfg = tiny_config(*MODEL, *{**LAYOUTS, **CP_LAYOUTS}[name])
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel))
     batch_sh = setup.batch_shardings
     batch = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len),
                                      jnp.float32 if k == "loss_mask" else jnp.int32,
-                                     sharding=batch_sh[k]) for k in step.BATCH_KEYS}
+                                     sharding=batch_sh[k]) for k in setup_lib.BATCH_KEYS}
     compiled = step.make_train_step(setup).lower(
         setup.abstract_train_state, batch).compile()
     return cfg, setup, compiled, hlo.collectives(compiled, setup.mesh)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jaxtrain import data, step, trainer
-from jaxtrain.parallel import context_attention, sharding
+from jaxtrain.executors import setup as setup_lib
+from jaxtrain.parallel import context_attention, sharded_kernels, sharding
 from jaxtrain.config import ConfigError
 from jaxtrain.data.context import context_order, reorder_batch, restore_order
 from jaxtrain.ledger.layout import LayoutError
@@ -26,23 +27,20 @@ BASE = ("--model.vocab_size=512", "--model.num_layers=1", "--train.global_batch=
 
 
 def _grads(overrides, n_devices, params0=None, batch=None):
-    """(loss, grads, params0, fp8 metas or None) of one grad step on n_devices."""
+    """(loss, grads, params0, next fp8 metas ({} without FP8)) of one grad step on n_devices."""
     cfg = tiny_config(*BASE, *overrides)
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:n_devices]))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:n_devices]))
     params0 = random_params(setup) if params0 is None else params0
     params = jax.device_put(params0, setup.param_shardings)
     batch = random_batch(cfg, 0, docs_per_row=3) if batch is None else batch
-    args = (params, batch)
-    if setup.fp8 is not None:
-        args += (jax.device_put(step.init_fp8_meta(setup),
-                                setup.state_shardings["fp8_meta"]),)
+    args = (params, batch, jax.device_put(setup.fp8.fresh(setup.meta_shapes),
+                                          setup.state_shardings.fp8_meta))
     lowered = step.make_grad_step(setup).lower(*args)
     if cfg.model.attention == "pallas":  # the kernels really run, not an XLA fallback
         hlo_text = lowered.as_text(debug_info=True)
         assert all(k in hlo_text for k in ("jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dq"))
     out = lowered.compile()(*args)
-    return float(out[0]), jax.device_get(out[2]), params0, (
-        jax.device_get(out[3]) if len(out) > 3 else None)
+    return float(out[0]), jax.device_get(out[2]), params0, jax.device_get(out[3])
 
 
 def _assert_same(got, want):
@@ -114,7 +112,7 @@ def test_eval_sums_equal_one_device(one_device):
                          (["--parallel.data=2", "--parallel.context=2",
                            "--parallel.context_strategy=all_gather"], 4)):
         cfg = tiny_config(*BASE, *overrides)
-        setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:n]))
+        setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:n]))
         params = jax.device_put(one_device[2], setup.param_shardings)
         sums.append([float(x) for x in step.make_eval_step(setup)(
             params, random_batch(cfg, 1, docs_per_row=3))])
@@ -199,8 +197,8 @@ def test_a_strategy_the_core_lacks_is_refused_by_the_attention_itself():
     from jaxtrain.model import attention
     with pytest.raises(context_attention.ContextAttentionError,
                        match="ring is not supported by model.attention=cudnn"):
-        sharding.shard_attention(attention.cudnn_attention, mesh,
-                                 context_attention.ContextPlan("ring"))
+        sharded_kernels.shard_attention(attention.cudnn_attention, mesh,
+                                        context_attention.ContextPlan("ring"))
 
 
 # ----------------------------------------------------------------------------- data order

@@ -6,7 +6,7 @@ import pytest
 
 from jaxtrain import config, data
 from jaxtrain.data import documents
-from jaxtrain.ledger.memory import padded_vocab
+from jaxtrain.config import padded_vocab
 
 
 def make_cfg(**overrides):

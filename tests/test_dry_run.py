@@ -8,7 +8,8 @@ import time
 import jax
 import pytest
 
-from jaxtrain import step, trainer
+from jaxtrain import trainer
+from jaxtrain.executors import setup as setup_lib
 from jaxtrain.tools import device_plan, dry_run
 from jaxtrain.config import load_config
 from jaxtrain.ledger import GiB
@@ -31,7 +32,7 @@ def no_compile(monkeypatch):
     """Fail if anything builds a step or starts training."""
     def refuse(*args, **kwargs):
         raise AssertionError("compiled or allocated although the run was refused")
-    monkeypatch.setattr(step, "build", refuse)
+    monkeypatch.setattr(setup_lib, "build", refuse)
     monkeypatch.setattr(trainer, "train", refuse)
 
 

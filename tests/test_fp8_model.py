@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxtrain import compat, config_check, step, trainer
-from jaxtrain.model import fp8
+from jaxtrain.executors import setup as setup_lib
+from jaxtrain.model import fp8_matmul
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import CheckpointConfig, ConfigError, RematConfig
@@ -54,7 +55,7 @@ def _layer_scans(jaxpr):
 
 
 def _train_step_jaxpr(cfg, lowered_text=False):
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:1]))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:1]))
     abstract = setup.abstract_train_state
     batch = random_batch(cfg)
     train_step = step.make_train_step(setup, donate=False)
@@ -107,7 +108,7 @@ def test_bf16_first_and_last_layers_run_their_own_scans_without_fp8():
 
 def test_block_remat_recomputes_the_first_n_layers_across_the_ranges(monkeypatch):
     seen = []
-    monkeypatch.setattr(step.remat, "layer_runner",
+    monkeypatch.setattr(remat, "layer_runner",
                         lambda r: seen.append((r.granularity, r.method, r.num_layers)))
     runner = remat.span_runner(RematConfig(granularity="full", method="block", num_layers=2))
     for start, stop in ((0, 1), (1, 3), (3, 4)):  # bf16 layer 0, fp8 layers 1-2, bf16 layer 3
@@ -129,11 +130,11 @@ def test_block_remat_with_bf16_ranges_traces_two_fp8_bodies():
 def _grad_steps(overrides, devices, params0=None, n_steps=2):
     """`n_steps` SGD steps via make_grad_step: [(loss, grads, new meta)] per step."""
     cfg = tiny_config("--model.vocab_size=512", "--train.global_batch=16", *FP8, *overrides)
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, devices))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, devices))
     if params0 is None:
-        params0 = jax.device_get(step.init_train_state(setup, 0)["params"])
-    state = step.train_state_from_params(setup, params0)
-    params, meta = state["params"], state["fp8_meta"]
+        params0 = jax.device_get(setup_lib.init_train_state(setup, 0).params)
+    state = setup_lib.train_state_from_params(setup, params0)
+    params, meta = state.params, state.fp8_meta
     grad_step = step.make_grad_step(setup)
     out = []
     for i in range(n_steps):
@@ -283,12 +284,12 @@ def test_resume_restores_the_meta_and_reproduces_the_uninterrupted_run(runs):
     starts = [r["step"] for r in rows if "first_step_time_s" in r]
     assert starts == [1, 11] and sorted(resumed) == list(range(1, STEPS + 1))  # stopped, resumed
     assert [straight[s] for s in resumed] == [resumed[s] for s in resumed]  # bit-exact
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel))
     abstract = setup.abstract_train_state
     metas = {}
     for run in ("fp8", "resumed"):
         ckpt = Checkpointer(root / run / "checkpoints", CheckpointConfig())
-        metas[run] = [ckpt.restore(s, abstract)[0]["fp8_meta"] for s in (10, 20)]
+        metas[run] = [ckpt.restore(s, abstract)[0].fp8_meta for s in (10, 20)]
         ckpt.close()
     for m_a, m_b in zip(metas["fp8"], metas["resumed"]):
         jax.tree.map(np.testing.assert_array_equal, m_a, m_b)
@@ -309,7 +310,7 @@ def test_resume_restores_the_meta_and_reproduces_the_uninterrupted_run(runs):
 def test_dims_fp8_cannot_run_fail_at_build_naming_the_layer(overrides, message):
     cfg = tiny_config(*FP8, *overrides)
     with pytest.raises(config_check.Fp8LayoutError, match=message):
-        step.build(cfg, sharding.make_mesh(cfg.parallel))
+        setup_lib.build(cfg, sharding.make_mesh(cfg.parallel))
 
 
 def test_fp8_config_errors():
@@ -320,7 +321,7 @@ def test_fp8_config_errors():
     cfg = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, format="e5m2"))
     with pytest.raises(ConfigError, match="fp8.format='e5m2' is unknown"):
         cfg.validate()
-    assert fp8.recipe_of(tiny_config(*FP8).fp8).bwd_dtype == fp8.E5M2
+    assert fp8_matmul.recipe_of(tiny_config(*FP8).fp8).bwd_dtype == fp8_matmul.E5M2
 
 
 def test_fp8_mfu_divides_by_the_bf16_peak_as_the_ledger_does(monkeypatch):

@@ -16,12 +16,12 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jaxtrain import compat
-from jaxtrain.model import fp8, moe
+from jaxtrain.model import fp8_matmul, moe
 from jaxtrain.model import llama as model_lib
 from jaxtrain.parallel import sharding
 from jaxtrain.tools import gpu_program, hlo, hlo_module, pipeline_flops
 from jaxtrain.tools.compile_step import compile_step
-from jaxtrain.config import ModelConfig, MoeConfig, load_config
+from jaxtrain.config import Fp8Config, ModelConfig, MoeConfig, load_config
 from jaxtrain.ledger import comm, estimate, layout_from_config
 from jaxtrain.ledger.memory import workspace_bytes
 from jaxtrain.model.kernels import flash_attention
@@ -132,13 +132,13 @@ def test_one_fp8_projection_holds_bf16_temporaries_plus_its_fp8_operands(h100):
     m, k, n = 4096, 8192, 28672
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sh)
     w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=sh)
-    recipe = fp8.recipe_of(fp8.Fp8Config(enabled=True))
+    recipe = fp8_matmul.recipe_of(Fp8Config(enabled=True))
     meta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                        fp8.init_meta(recipe))
+                        fp8_matmul.init_meta(recipe))
     dims = (((1,), (0,)), ((), ()))
 
     def fp8_step(x, w, meta):
-        return jax.grad(lambda *a: jnp.sum(jnp.square(fp8.fp8_dot_general(
+        return jax.grad(lambda *a: jnp.sum(jnp.square(fp8_matmul.fp8_dot_general(
             a[0], a[1], dims, meta=a[2], cfg=recipe).astype(jnp.float32))),
             argnums=(0, 1, 2))(x, w, meta)
 
@@ -246,7 +246,7 @@ def test_a_layout_that_does_not_fit_is_compiled_and_says_by_how_much(capsys, h10
 
 def _executed(out):
     s = out.setup.cfg.parallel
-    from jaxtrain.parallel.pipeline_schedule import build_schedule
+    from jaxtrain.ledger.pipeline_schedule import build_schedule
     table = build_schedule(s.schedule, out.mesh.shape["stage"], s.microbatches,
                            s.virtual_stages).table
     return pipeline_flops.executed_matmul_flops(out.text, table.columns, out.mesh.shape["stage"],

@@ -272,7 +272,7 @@ def test_cli_module_runs(tmp_path):
 def test_export_from_training_checkpoint_and_train_state(tmp_path, monkeypatch):
     """A trainer workdir (config.json + orbax checkpoints of a padded-vocab state) exports, and
     imported params become a train state on the setup's mesh and shardings."""
-    from jaxtrain import step as step_lib
+    from jaxtrain.executors import setup as setup_lib
     from jaxtrain.parallel import sharding
     from jaxtrain.checkpoint import Checkpointer
     cfg = Config(model=ModelConfig(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4,
@@ -281,17 +281,17 @@ def test_export_from_training_checkpoint_and_train_state(tmp_path, monkeypatch):
     cfg.parallel.data, cfg.parallel.tensor = 4, 2
     cfg.train.global_batch, cfg.train.seq_len = 8, 16
     cfg.validate()
-    setup = step_lib.build(cfg, sharding.make_mesh(cfg.parallel))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel))
     assert setup.model_cfg.vocab_size == 256
     params = random_model_params(setup.model_cfg)
     unpadded = {**params, "embed": params["embed"][:200], "lm_head": params["lm_head"][:, :200]}
-    state = step_lib.train_state_from_params(setup, weights.pad_vocab(unpadded, 256))
+    state = setup_lib.train_state_from_params(setup, weights.pad_vocab(unpadded, 256))
     abstract = setup.abstract_train_state
     assert jax.tree.structure(state) == jax.tree.structure(abstract)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(abstract)):
         assert got.shape == want.shape and got.sharding == want.sharding
-    assert not np.asarray(state["params"]["embed"][200:]).any()
-    np.testing.assert_array_equal(state["params"]["embed"][:200], params["embed"][:200])
+    assert not np.asarray(state.params["embed"][200:]).any()
+    np.testing.assert_array_equal(state.params["embed"][:200], params["embed"][:200])
 
     workdir = tmp_path / "run"
     workdir.mkdir()

@@ -54,22 +54,22 @@ def test_imported_weights_land_in_their_chunk_rows():
     import jax
     from flax import nnx
 
-    from jaxtrain import step
+    from jaxtrain.executors import setup as setup_lib
     from jaxtrain.parallel import sharding
     from util import tiny_config
     cfg = tiny_config("--model.num_layers=4", "--parallel.stage=2", "--parallel.virtual_stages=2",
                       "--parallel.schedule=interleaved_1f1b", "--parallel.microbatches=2",
                       "--parallel.data=-1")
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()))
     assert setup.layer_order.rows == (0, 2, 1, 3)
-    natural = step.build(tiny_config("--model.num_layers=4"),
-                         sharding.make_mesh(tiny_config().parallel, jax.devices()[:1]))
+    natural = setup_lib.build(tiny_config("--model.num_layers=4"),
+                              sharding.make_mesh(tiny_config().parallel, jax.devices()[:1]))
     params = jax.tree.map(lambda a: np.random.default_rng(0).standard_normal(a.shape)
                           .astype(a.dtype), nnx.to_pure_dict(natural.abstract_state))
-    state = step.train_state_from_params(setup, params)
+    state = setup_lib.train_state_from_params(setup, params)
     wq = params["blocks"]["attn"]["wq"]["kernel"]
-    np.testing.assert_array_equal(np.asarray(state["params"]["blocks"]["attn"]["wq"]["kernel"]),
+    np.testing.assert_array_equal(np.asarray(state.params["blocks"]["attn"]["wq"]["kernel"]),
                                   wq[[0, 2, 1, 3]])
     with pytest.raises(ValueError, match="params have 4 layers but the configured model has"):
-        step.train_state_from_params(step.build(tiny_config("--model.num_layers=6"), natural.mesh),
-                                     params)
+        setup_lib.train_state_from_params(
+            setup_lib.build(tiny_config("--model.num_layers=6"), natural.mesh), params)

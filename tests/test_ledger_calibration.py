@@ -18,6 +18,7 @@ import pytest
 import jax
 
 from jaxtrain import step
+from jaxtrain.executors import setup as setup_lib
 from jaxtrain.parallel import sharding
 from jaxtrain.tools import hlo
 from jaxtrain.config import Config, ModelConfig, TrainConfig
@@ -47,11 +48,11 @@ def compiled(dtype: str, b: int, s: int, train_step: bool = False):
     if key not in _CACHE:
         cfg = calibration_config(dtype, b, s)
         mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
-        setup = step.build(cfg, mesh)
+        setup = setup_lib.build(cfg, mesh)
         state = setup.abstract_train_state
         batch = abstract_batch(cfg, mesh)
         fn, args = ((step.make_train_step(setup), (state, batch)) if train_step else
-                    (step.make_grad_step(setup), (state["params"], batch)))
+                    (step.make_grad_step(setup), (state.params, batch, state.fp8_meta)))
         _CACHE[key] = cfg, fn.lower(*args).compile(compiler_options=CPU_COMPILER_OPTIONS)
     return _CACHE[key]
 

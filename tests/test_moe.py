@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxtrain.config import ModelConfig, MoeConfig, RematConfig
 from jaxtrain.model import llama as model_lib
+from jaxtrain.model import loss as loss_lib
 from jaxtrain.model import moe
 from util import random_model_params
 
@@ -253,7 +254,7 @@ def _loss(forward):
 
     def fn(state):
         logits, stats, *terms = forward(state, tokens)
-        ce = model_lib.cross_entropy_sum(logits, tokens, jnp.ones_like(tokens))[0]
+        ce = loss_lib.cross_entropy_sum(logits, tokens, jnp.ones_like(tokens))[0]
         return ce + sum(terms), stats
     return fn
 
@@ -291,6 +292,6 @@ def test_remat_runners_carry_the_stats():
 def test_moe_model_refuses_fp8():
     from jaxtrain.config import Fp8Config
     from jaxtrain.model import fp8
-    ops = model_lib.Ops(fp8=model_lib.Fp8Layers(fp8.recipe_of(Fp8Config(enabled=True))))
+    ops = model_lib.Ops(fp8=fp8.Fp8Converter.of(Fp8Config(enabled=True)))
     with pytest.raises(ValueError, match="no FP8 path"):
         nnx.eval_shape(lambda: _moe_llama(ops))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import step, trainer
+from jaxtrain.executors import setup as setup_lib
 from jaxtrain.parallel import sharding
 from jaxtrain.config import load_config
 from jaxtrain.ledger.layout import LayoutError
@@ -31,17 +32,17 @@ BASE = ("--model.vocab_size=512", "--train.global_batch=16", "--train.lr=1e-2")
 
 def _run(overrides, devices, params0):
     cfg = tiny_config(*BASE, *overrides)
-    setup = step.build(cfg, sharding.make_mesh(cfg.parallel, devices))
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, devices))
     grad_step = step.make_grad_step(setup)
     b0, b1 = random_batch(cfg, 0), random_batch(cfg, 1)
     if params0 is None:
-        params0 = jax.device_get(step.init_train_state(setup, 0)["params"])
-    state = step.train_state_from_params(setup, params0)
-    loss0, _, g0 = grad_step(state["params"], b0)
+        params0 = jax.device_get(setup_lib.init_train_state(setup, 0).params)
+    state = setup_lib.train_state_from_params(setup, params0)
+    loss0, _, g0, _ = grad_step(state.params, b0, state.fp8_meta)
     # Gradients at a second point, reached by a plain SGD step (Adam's first step is
     # sign(g)·lr, which turns float noise in near-zero gradients into visible differences).
-    params1 = jax.tree.map(lambda p, g: p - 0.5 * g, state["params"], g0)
-    loss1, _, g1 = grad_step(params1, b1)
+    params1 = jax.tree.map(lambda p, g: p - 0.5 * g, state.params, g0)
+    loss1, _, g1, _ = grad_step(params1, b1, state.fp8_meta)
     # The real train step (Adam, ZeRO-1 sharded state) for two steps.
     train_step = step.make_train_step(setup)
     state, m0 = train_step(state, b0)
@@ -79,7 +80,7 @@ def test_layout_equals_one_device(name, reference):
 def test_bad_layouts_fail_before_compiling(overrides, message):
     cfg = tiny_config(*overrides)
     with pytest.raises(LayoutError, match=message):
-        step.build(cfg, sharding.make_mesh(cfg.parallel))
+        setup_lib.build(cfg, sharding.make_mesh(cfg.parallel))
 
 
 def test_sequence_parallel_without_tensor_is_a_config_error():

@@ -1,12 +1,14 @@
 """Pipeline executor: loss and grads equal the unpipelined model; what an F stashes; stash
 counter; data-parallel reduction after the loop; memory in m; bad inputs.
 
-Toy model (fp32, tiny dims): an embedding (outside the pipeline, or inside the first virtual
-stage with embed_fn), residual tanh-MLP layers as chunks (one layer per virtual stage), a linear
-head with integer-label cross entropy inside the last virtual stage. Compiling dominates the
-run time, so the executor is checked on a representative subset of (schedule, p, v, m); the
-simulator tests cover every combination. All executor runs fill idle slots and empty buffers
-with NaN: any leak would show in the loss or a gradient.
+Toy model (fp32, tiny dims) on the public API (`Fns`, edge rows): an embedding of raw features
+inside the first virtual stage, residual tanh-MLP layers as chunks (one layer per virtual
+stage), a linear head with integer-label cross entropy inside the last; both edge tables sit
+in every rank's row (rank 0 reads the embedding, rank p-1 the head). The executor returns sums
+over microbatches and data replicas: divided by their number they are the unpipelined mean.
+Compiling dominates the run time, so the executor is checked on a representative subset of
+(schedule, p, v, m); the simulator tests cover every combination. All executor runs fill idle
+slots and empty buffers with NaN: any leak would show in the loss or a gradient.
 """
 import functools
 
@@ -40,7 +42,7 @@ def layer(x_BSD, w):
     return x_BSD + jnp.tanh(x_BSD @ w["w1_DF"]) @ w["w2_FD"]
 
 
-def chunk_fn(chunk_params, x_BSD):
+def chunk_fn(chunk_params, x_BSD, chunk_aux=()):
     return lax.scan(lambda h, w: (layer(h, w), None), x_BSD, chunk_params)[0]
 
 
@@ -48,6 +50,19 @@ def head_loss_fn(head_params, x_BSD, labels_BS):
     logits_BSC = x_BSD @ head_params["w_DC"]
     logp_BSC = jax.nn.log_softmax(logits_BSC)
     return -jnp.mean(jnp.take_along_axis(logp_BSC, labels_BS[..., None], axis=-1))
+
+
+def edge_head(edge_row, x_BSD, labels_BS):
+    """The head on rank p-1's edge row: (objective, sums), both the microbatch's mean loss."""
+    loss = head_loss_fn(edge_row["head"], x_BSD, labels_BS)
+    return loss, loss
+
+
+def edge_embed(edge_row, raw_BSE):
+    return raw_BSE @ edge_row["embed"]
+
+
+FNS = pl.Fns(chunk_fn, edge_head, edge_embed)
 
 
 def make_model(num_layers, m, seed=0):
@@ -71,11 +86,29 @@ def reference_loss(params, raw_MBSE, labels_MBS):
     return jnp.mean(jax.vmap(one)(raw_MBSE, labels_MBS))
 
 
-def pipeline_loss(loss_impl, schedule, mesh, pparams, raw_MBSE, labels_MBS, fill=NAN):
-    """The same model with the layers in the pipeline; pparams['layers'] is [p, v, Lc, ...]."""
-    x_MBSD = raw_MBSE @ pparams["embed"]           # embedding outside: its grad flows through x
-    return loss_impl(chunk_fn, head_loss_fn, pparams["layers"], pparams["head"], x_MBSD,
-                     labels_MBS, schedule=schedule, mesh=mesh, bubble_fill=fill)
+def edge_rows(params, p):
+    """The embedding and head tables in every rank's row ([p, ...]): rank 0 reads one, rank
+    p-1 the other."""
+    tables = {"embed": params["embed"], "head": params["head"]}
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (p,) + a.shape), tables)
+
+
+def replicas(schedule, mesh):
+    """How many losses the executor sums: microbatches x data replicas."""
+    return schedule.microbatches * mesh.shape.get("data", 1)
+
+
+def pipeline_value_and_grad(schedule, mesh, pparams, raw_MBSE, labels_MBS, fill=NAN, fns=FNS,
+                            chunk_aux=()):
+    """(mean loss, grads in the params' layout, stats) of the model with its layers in the
+    pipeline (pparams['layers'] is [p, v, Lc, ...]): the executor's sums divided by the number
+    of (microbatch, replica) losses, the edge rows' gradients summed over the ranks."""
+    sums, (d_layers, d_edge), stats = pl.pipelined_value_and_grad(
+        fns, pparams["layers"], edge_rows(pparams, schedule.stages), raw_MBSE, labels_MBS,
+        chunk_aux, schedule=schedule, mesh=mesh, bubble_fill=fill)
+    n = replicas(schedule, mesh)
+    grads = {"layers": d_layers, **jax.tree.map(lambda d: jnp.sum(d, axis=0), d_edge)}
+    return sums / n, jax.tree.map(lambda g: g / n, grads), stats
 
 
 def stage_mesh(p):
@@ -119,13 +152,13 @@ EXECUTOR_CASES = [
 def test_pipelined_grad_matches_unpipelined(kind, p, v, m):
     params, raw, labels, ref_loss, ref_grads = reference(p * v, m)
     schedule = pl.build_schedule(kind, p, m, v)
-    loss_fn = functools.partial(pipeline_loss, pl.pipelined_loss, schedule, stage_mesh(p))
-    loss, grads = jit_fast(jax.value_and_grad(loss_fn))(to_pipeline(params, p, v), raw, labels)
+    run = functools.partial(pipeline_value_and_grad, schedule, stage_mesh(p))
+    loss, grads, _ = jit_fast(run)(to_pipeline(params, p, v), raw, labels)
     assert abs(float(loss) - float(ref_loss)) < TOL
     assert max_diff(from_pipeline(grads), ref_grads) < TOL
 
 
-def padded_chunk_fn(chunk_params, x_BSD):
+def padded_chunk_fn(chunk_params, x_BSD, chunk_aux=()):
     """chunk_fn for padded chunks: a layer runs only where its stacked flag `real` is set."""
     def step(h, w):
         return lax.cond(w["real"] > 0, lambda: layer(h, w), lambda: h), None
@@ -160,30 +193,32 @@ def test_uneven_stages_match_unpipelined_and_skip_padding(kind, p, v, stage_laye
     chunks = dict(chunks, w1_DF=jnp.where(real, chunks["w1_DF"], NAN),
                   w2_FD=jnp.where(real, chunks["w2_FD"], NAN))
 
-    def loss_fn(pparams, raw_MBSE, labels_MBS):
-        return pl.pipelined_loss(padded_chunk_fn, head_loss_fn, pparams["layers"],
-                                 pparams["head"], raw_MBSE @ pparams["embed"], labels_MBS,
-                                 schedule=schedule, mesh=stage_mesh(p), bubble_fill=NAN)
-    loss, grads = jit_fast(jax.value_and_grad(loss_fn))(dict(params, layers=chunks), raw, labels)
+    run = functools.partial(pipeline_value_and_grad, schedule, stage_mesh(p),
+                            fns=FNS._replace(chunk=padded_chunk_fn))
+    loss, grads, _ = jit_fast(run)(dict(params, layers=chunks), raw, labels)
     assert abs(float(loss) - float(ref_loss)) < TOL
     layer_grads = pl.unstack_stages(grads["layers"], stage_layers)
     del layer_grads["real"]
     assert max_diff(dict(grads, layers=layer_grads), ref_grads) < TOL
 
 
-def test_autodiff_reference_and_forward_only_path_match():
+def test_forward_only_path_and_autodiff_through_it_match():
+    """pipelined_forward runs the forward table only (evaluation); jax.grad through it (the
+    schedule's forward ops, differentiated by autodiff) gives the unpipelined gradients too."""
     kind, p, v, m = "interleaved_1f1b", 2, 2, 4
     params, raw, labels, ref_loss, ref_grads = reference(p * v, m)
     schedule = pl.build_schedule(kind, p, m, v)
     pparams = to_pipeline(params, p, v)
     mesh = stage_mesh(p)
-    gpipe = functools.partial(pipeline_loss, pl.gpipe_loss, schedule, mesh)
-    loss, grads = jit_fast(jax.value_and_grad(gpipe))(pparams, raw, labels)
+
+    def forward_loss(pp, raw, labels):
+        sums = pl.pipelined_forward(FNS, pp["layers"], edge_rows(pp, p), raw, labels, (),
+                                    schedule=schedule, mesh=mesh, bubble_fill=NAN)
+        return sums / replicas(schedule, mesh)
+    assert abs(float(jit_fast(forward_loss)(pparams, raw, labels)) - float(ref_loss)) < TOL
+    loss, grads = jit_fast(jax.value_and_grad(forward_loss))(pparams, raw, labels)
     assert abs(float(loss) - float(ref_loss)) < TOL
     assert max_diff(from_pipeline(grads), ref_grads) < TOL
-    # pipelined_loss outside of a grad runs the forward ops only
-    eval_loss = jit_fast(functools.partial(pipeline_loss, pl.pipelined_loss, schedule, mesh))
-    assert abs(float(eval_loss(pparams, raw, labels)) - float(ref_loss)) < TOL
 
 
 def test_nan_bubbles_change_nothing_and_stash_counter_meets_static_bound():
@@ -191,9 +226,8 @@ def test_nan_bubbles_change_nothing_and_stash_counter_meets_static_bound():
     params, raw, labels, ref_loss, _ = reference(p * v, m)
     schedule = pl.build_schedule(kind, p, m, v)
     pparams = to_pipeline(params, p, v)
-    run = compile_fast(lambda fill: pl.pipelined_value_and_grad(
-        chunk_fn, head_loss_fn, pparams["layers"], pparams["head"], raw @ pparams["embed"],
-        labels, schedule=schedule, mesh=stage_mesh(p), bubble_fill=fill), 0.0)
+    run = compile_fast(lambda fill: pipeline_value_and_grad(
+        schedule, stage_mesh(p), pparams, raw, labels, fill=fill), 0.0)
     clean, polluted = run(0.0), run(NAN)
     assert max_diff(clean[:2], polluted[:2]) == 0.0
     assert abs(float(clean[0]) - float(ref_loss)) < TOL
@@ -210,6 +244,9 @@ def embed_fn(embed_params, tokens_BS):
 def gated_chunk_fn(chunk_params, x_BSD, chunk_aux):
     """chunk_fn with a per-microbatch side input (as positions are for the real model)."""
     return chunk_fn(chunk_params, x_BSD) * chunk_aux["gate_BS"][..., None]
+
+
+TOKEN_FNS = pl.Fns(gated_chunk_fn, edge_head, lambda e, tokens: embed_fn(e["embed"], tokens))
 
 
 def token_model_loss(params, tokens_MBS, gate_MBS, labels_MBS):
@@ -245,16 +282,13 @@ def test_data_replicas_with_embedding_inside_reduce_once_after_the_loop():
     tokens, gate, labels = batch(tokens), batch(gate), batch(labels)
     schedule = pl.build_schedule(kind, p, m, v)
 
-    def loss_fn(pp, tokens, gate, labels):
-        # an outer factor checks that the custom_vjp scales its gradients by the cotangent
-        return 3.0 * pl.pipelined_loss(
-            gated_chunk_fn, head_loss_fn, pp["layers"], pp["head"], tokens, labels,
-            schedule=schedule, mesh=mesh, embed_fn=embed_fn, embed_params=pp["embed"],
-            chunk_aux={"gate_BS": gate}, bubble_fill=NAN)
-    step = compile_fast(jax.value_and_grad(loss_fn), pparams, tokens, gate, labels)
+    def run(pp, tokens, gate, labels):
+        return pipeline_value_and_grad(schedule, mesh, pp, tokens, labels, fns=TOKEN_FNS,
+                                       chunk_aux={"gate_BS": gate})[:2]
+    step = compile_fast(run, pparams, tokens, gate, labels)
     loss, grads = step(pparams, tokens, gate, labels)
-    assert abs(float(loss) - 3.0 * float(ref_loss)) < 3 * TOL
-    assert max_diff(from_pipeline(grads), jax.tree.map(lambda g: 3.0 * g, ref_grads)) < 3 * TOL
+    assert abs(float(loss) - float(ref_loss)) < TOL
+    assert max_diff(from_pipeline(grads), ref_grads) < TOL
 
     colls = hlo.collectives(step, mesh)
     assert hlo.loop_collectives(colls, "data") == []
@@ -266,11 +300,13 @@ def test_data_replicas_with_embedding_inside_reduce_once_after_the_loop():
 
 # Compiled temp memory per device (CPU, p=4, D=256, 4x32 tokens per microbatch: 0.125 MiB of
 # activations), embedding inside the first stage, m = 8 -> 32. Measured on jax 0.10.2 with the
-# residual stash (each F keeps its layer's x, x @ w1 and tanh of it, ...: 7 x 0.125 MiB):
-#   executor 1F1B    7.02 -> 7.02 MiB: 0.000 MiB per microbatch (stash (6, 4, 2, 0) at both m)
-#   executor GPipe   9.39 -> 30.39 MiB: 0.875 MiB per microbatch (stash m per rank)
+# residual stash (each F keeps its layer's x, x @ w1 and tanh of it, ...: 4 x 0.125 MiB), the
+# same before and after the public-API port of issue 25 (7.02 and 9.39 -> 30.39 MiB recorded
+# here earlier, with the stash holding 7 activations):
+#   executor 1F1B    4.39 -> 4.39 MiB: 0.000 MiB per microbatch (stash (6, 4, 2, 0) at both m)
+#   executor GPipe   6.02 -> 18.02 MiB: 0.5 MiB per microbatch (stash m per rank)
 # (Before, with only chunk inputs stashed and the chunk recomputed in every B: 2.02 -> 2.02 and
-# 2.39 -> 5.39 MiB; autodiff through gpipe_loss, no remat: 13.37 -> 37.59 MiB.)
+# 2.39 -> 5.39 MiB; autodiff through the forward ops, no remat: 13.37 -> 37.59 MiB.)
 # GPipe stashes every microbatch's residuals (m per rank); 1F1B's stash is fixed by p, and
 # with the embedding inside nothing else of activation size is held per microbatch.
 MEM_P, MEM_D, MEM_B, MEM_S = 4, 256, 4, 32
@@ -287,10 +323,10 @@ def _memory_case(kind, m):
     schedule = pl.build_schedule(kind, MEM_P, m)
     mesh = stage_mesh(MEM_P)
 
+    fns = FNS._replace(embed=TOKEN_FNS.embed)
+
     def run(pp, tokens, labels):
-        return pl.pipelined_value_and_grad(
-            chunk_fn, head_loss_fn, pp["layers"], pp["head"], tokens, labels, schedule=schedule,
-            mesh=mesh, embed_fn=embed_fn, embed_params=pp["embed"])
+        return pipeline_value_and_grad(schedule, mesh, pp, tokens, labels, fill=0.0, fns=fns)
     compiled = jax.jit(run).lower(pp, tokens, labels).compile()
     return schedule, compiled, (pp, tokens, labels)
 
@@ -320,12 +356,11 @@ def test_bad_inputs_raise_clear_errors():
     p, v, m = 2, 1, 4
     params, raw, labels = make_model(p * v, m)
     pparams = to_pipeline(params, p, v)
-    x = raw @ params["embed"]
     schedule = pl.build_schedule("1f1b", p, m, v)
-    call = lambda **kw: pl.pipelined_loss(**{
-        "chunk_fn": chunk_fn, "head_loss_fn": head_loss_fn, "chunk_params": pparams["layers"],
-        "head_params": pparams["head"], "x_MBSD": x, "aux": labels, "schedule": schedule,
-        "mesh": stage_mesh(p), **kw})
+    args = {"fns": FNS, "chunk_params": pparams["layers"], "edge_params": edge_rows(pparams, p),
+            "inputs": raw, "aux": labels, "chunk_aux": (), "schedule": schedule,
+            "mesh": stage_mesh(p)}
+    call = lambda **kw: pl.pipelined_forward(**{**args, **kw})  # noqa: E731
     with pytest.raises(pl.PipelineError, match="no 'stage' axis"):
         call(mesh=jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,),
                                 devices=jax.devices()[:2]))
@@ -333,26 +368,29 @@ def test_bad_inputs_raise_clear_errors():
         call(mesh=stage_mesh(4))
     with pytest.raises(pl.PipelineError, match=r"leading dims \[stages=2, virtual_stages=1\]"):
         call(chunk_params=params["layers"])
+    with pytest.raises(pl.PipelineError, match=r"edge param .* leading dim \[stages=2\]"):
+        call(edge_params={"embed": params["embed"], "head": params["head"]})
     with pytest.raises(pl.PipelineError, match="microbatches=4"):
-        call(x_MBSD=x[:3])
+        call(inputs=raw[:3])
     with pytest.raises(pl.PipelineError, match=r"aux has shape \(2, 4, 2\)"):
         call(aux=labels[:2])
     data_mesh = jax.make_mesh((2, 3), ("stage", "data"), axis_types=(AxisType.Auto,) * 2,
                               devices=jax.devices()[:6])
     with pytest.raises(pl.PipelineError, match="does not split over data=3"):
         call(mesh=data_mesh)
-    with pytest.raises(pl.PipelineError, match="pass embed_fn for raw inputs"):
-        call(x_MBSD={"tokens": x})
     with pytest.raises(pl.PipelineError, match="Schedule from build_schedule"):
         call(schedule="1f1b")
+    to_bf16 = lambda w, x, a: chunk_fn(w, x).astype(jnp.bfloat16)  # noqa: E731
     with pytest.raises(pl.PipelineError, match="must return the shape and dtype it gets"):
-        call(chunk_fn=lambda w, x: chunk_fn(w, x).astype(jnp.bfloat16))
+        call(fns=FNS._replace(chunk=to_bf16))
     with pytest.raises(pl.PipelineError, match="must return the shape and dtype it gets"):
-        pl.pipelined_value_and_grad(  # the same check where the F/B executor runs
-            lambda w, x: chunk_fn(w, x).astype(jnp.bfloat16), head_loss_fn, pparams["layers"],
-            pparams["head"], x, labels, schedule=schedule, mesh=stage_mesh(p))
+        # the same check where the F/B executor runs
+        pl.pipelined_value_and_grad(**{**args, "fns": FNS._replace(chunk=to_bf16)})
     with pytest.raises(pl.PipelineError, match="must return a scalar"):
-        call(head_loss_fn=lambda w, x, y: jnp.mean(x @ w["w_DC"], axis=-1))
+        row_losses = lambda e, x, y: (jnp.mean(x @ e["head"]["w_DC"], axis=-1),) * 2  # noqa
+        call(fns=FNS._replace(head_loss=row_losses))
+    with pytest.raises(pl.PipelineError, match=r"must return \(objective, sums\)"):
+        call(fns=FNS._replace(head_loss=lambda e, x, y: head_loss_fn(e["head"], x, y)))
     with pytest.raises(pl.PipelineError, match="do not split"):
         pl.stack_stages(params["layers"], 4, 2)
     assert issubclass(pl.PipelineError, ValueError)

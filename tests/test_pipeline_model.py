@@ -1,20 +1,24 @@
 """The Llama model on the pipeline equals the unpipelined train step (fp32, 8 fake devices).
 
 Every layout gets the same params (4 layers, vocab 512, in model order; each setup stores them
-in its own layer order) and batch; the reference is step.loss_and_grads on one device.
+in its own layer order) and batch; the reference is step.loss_and_grads (the replica executor)
+on one device.
 Compiling dominates the run time, so the layouts are a representative subset: p in {2, 4},
 v in {1, 2}, m in {4, 8}, all three schedules, with data, tensor and fsdp filling the rest.
 """
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxtrain import step
-from jaxtrain import pipeline_model
+from jaxtrain.executors import pipeline as pipeline_executor
+from jaxtrain.executors import setup as setup_lib
+from jaxtrain.model import loss as loss_lib
 from jaxtrain.parallel import layer_order, sharding
 from jaxtrain.tools import hlo, pipeline_flops
 from jaxtrain.parallel.layer_order import LayerOrder
@@ -65,15 +69,16 @@ TIED = "--model.tie_embeddings=true"
 
 
 def build_setup(cfg, devices):
-    return step.build(cfg, sharding.make_mesh(cfg.parallel, devices))
+    return setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, devices))
 
 
 def place(setup, params, batch):
-    """Params in model order -> the setup's layer order and shardings; the batch sharded."""
+    """Params in model order -> the setup's layer order and shardings; the batch sharded; the
+    (empty) FP8 metas: loss_and_grads' arguments."""
     params = layer_order.convert(params, LayerOrder.natural(4), setup.layer_order)
     batch_sh = NamedSharding(setup.mesh, sharding.batch_spec(setup.mesh))
     return (jax.device_put(params, setup.param_shardings),
-            {k: jax.device_put(v, batch_sh) for k, v in batch.items()})
+            {k: jax.device_put(v, batch_sh) for k, v in batch.items()}, setup.meta_shapes)
 
 
 def compile_fast(fn, *args):
@@ -95,25 +100,29 @@ def random_params(setup, seed=0):
 
 @functools.cache
 def reference(*extra):
-    """(params, batch, loss, tokens, grads) of step.loss_and_grads on one device."""
+    """(params, batch, loss, tokens, grads, metrics) of step.loss_and_grads on one device."""
     cfg = tiny_config(*BASE, *extra, "--parallel.data=1")
     setup = build_setup(cfg, jax.devices()[:1])
     params, batch = random_params(setup), random_batch(cfg, 0)
     args = place(setup, params, batch)
-    loss, tokens, grads = compile_fast(step.loss_and_grads(setup), *args)(*args)[:3]
-    return params, batch, float(loss), float(tokens), jax.device_get(grads)
+    out = compile_fast(step.loss_and_grads(setup), *args)(*args)
+    return (params, batch, float(out.loss), float(out.tokens), jax.device_get(out.grads),
+            jax.device_get(out.metrics))
 
 
 @functools.cache
 def pipelined(name):
-    """Compile and run the pipelined grad step of a layout: (setup, loss, tokens, grads, hlo)."""
+    """Compile and run the pipelined grad step of a layout: (setup, loss, tokens, grads, hlo,
+    metrics)."""
     params, batch = reference(*_model_flags(name))[:2]
     setup = build_setup(tiny_config(*BASE, *LAYOUTS[name]), jax.devices())
     args = place(setup, params, batch)
     compiled = compile_fast(step.loss_and_grads(setup), *args)
-    loss, tokens, grads, _ = compiled(*args)
-    grads = layer_order.convert(jax.device_get(grads), setup.layer_order, LayerOrder.natural(4))
-    return setup, float(loss), float(tokens), grads, compiled
+    out = compiled(*args)
+    grads = layer_order.convert(jax.device_get(out.grads), setup.layer_order,
+                                LayerOrder.natural(4))
+    return (setup, float(out.loss), float(out.tokens), grads, compiled,
+            jax.device_get(out.metrics))
 
 
 def max_diff(a, b):
@@ -128,10 +137,10 @@ def _model_flags(name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipelined_step_equals_unpipelined(name):
-    _, _, ref_loss, ref_tokens, ref_grads = reference(*_model_flags(name))
-    setup, loss, tokens, grads, _ = pipelined(name)
+    _, _, ref_loss, ref_tokens, ref_grads, _ = reference(*_model_flags(name))
+    setup, loss, tokens, grads, *_ = pipelined(name)
     if "first1" in name or "last1" in name:   # the uneven split really is padded
-        pm = pipeline_model.build(setup)
+        pm = pipeline_executor.build(setup)
         assert sorted(pm.stage_layers) == [1, 3] and pm.uniform_mode(False) is None
     assert tokens == ref_tokens
     assert abs(loss - ref_loss) < TOL
@@ -141,7 +150,7 @@ def test_pipelined_step_equals_unpipelined(name):
 def test_data_parallel_reduction_happens_once_after_the_schedule_loop():
     """hlo finds no data-parallel collective inside the schedule loop: each data replica keeps
     its own gradient sums and the step all-reduces them over `data` once, after the loop."""
-    setup, *_, compiled = pipelined("gpipe_p2_m4_data4_zero1")
+    setup, *_, compiled, _ = pipelined("gpipe_p2_m4_data4_zero1")
     colls = hlo.collectives(compiled, setup.mesh)
     assert hlo.loop_collectives(colls, "data", kinds=("all-reduce", "reduce-scatter")) == []
     # the loop is there (stage permutes in it) and so is the one reduction over data, outside
@@ -159,19 +168,68 @@ def test_layers_stored_in_chunk_order_never_move_between_stages(name):
     (interleaved) or 18 collective-permutes (uneven) over `stage` per step; now the `stage`
     collectives outside the schedule loop are the loss's all-reduce and the one that brings
     the embedding's (rank 0) and the head's (rank p-1) gradients to every stage rank."""
-    setup, *_, compiled = pipelined(name)
+    setup, *_, compiled, _ = pipelined(name)
     outside = {(c.kind, c.axes) for c in hlo.collectives(compiled, setup.mesh)
                if "stage" in (c.axes or ()) and not c.in_loop}
     assert outside == {("all-reduce", ("stage", "data")), ("all-reduce", ("stage",))}
 
 
 def test_forward_only_eval_sums_match():
-    params, batch, ref_loss, ref_tokens, _ = reference()
+    params, batch, ref_loss, ref_tokens, *_ = reference()
     setup = pipelined("interleaved_p2_v2_m4_tensor2_sp_data2_zero1")[0]
     args = place(setup, params, batch)
-    loss_sum, tokens = compile_fast(pipeline_model.eval_sums(setup), *args)(*args)
-    assert float(tokens) == ref_tokens
-    assert abs(float(loss_sum) / float(tokens) - ref_loss) < TOL
+    sums = compile_fast(pipeline_executor.eval_sums(setup), *args)(*args)
+    assert float(sums.tokens) == ref_tokens
+    assert abs(float(sums.loss) / float(sums.tokens) - ref_loss) < TOL
+
+
+TOKEN_LOSS = loss_lib.token_loss
+
+
+def _loss_with_an_auxiliary_term(logits_BSV, targets_BS, mask_BS):
+    """The model's token loss plus what a model may add (as a mixture-of-experts layer will):
+    a term in the objective (a mean-square-logit penalty per token) and two metrics."""
+    objective, sums = TOKEN_LOSS(logits_BSV, targets_BS, mask_BS)
+    penalty = jnp.sum(jnp.mean(jnp.square(logits_BSV), axis=-1) * mask_BS)
+    aux = {"logit_square": loss_lib.Mean(penalty, sums.tokens),
+           "loss_token_fraction": loss_lib.Mean(sums.tokens, jnp.float32(mask_BS.size))}
+    return objective + 0.5 * penalty, sums.replace(aux=aux)
+
+
+def test_an_auxiliary_loss_reaches_both_executors_gradients_and_metrics(monkeypatch):
+    """The contract's aux slot: a loss that adds a term to the objective and two Means sends
+    the term into both executors' gradients (equal, and unlike the plain loss's), and the
+    Means through the pipeline's head, microbatches and data replicas as through the replica
+    executor's scan; the step divides each by its own count and logs it."""
+    params, batch, _, ref_tokens, plain_grads, plain_metrics = reference()
+    assert plain_metrics == {}   # the language-model loss alone adds no metric
+    monkeypatch.setattr(loss_lib, "token_loss", _loss_with_an_auxiliary_term)
+    got, setups = {}, {}
+    for name, overrides, devices in (("replica", ["--parallel.data=1"], jax.devices()[:1]),
+                                     ("pipeline", LAYOUTS["gpipe_p2_m4_data4_zero1"],
+                                      jax.devices())):
+        setup = setups[name] = build_setup(tiny_config(*BASE, *overrides), devices)
+        args = place(setup, params, batch)
+        out = jax.device_get(compile_fast(step.loss_and_grads(setup), *args)(*args))
+        got[name] = (out, layer_order.convert(out.grads, setup.layer_order,
+                                              LayerOrder.natural(4)))
+    # the train step's metrics (what the trainer logs) carry them too
+    setup = setups["replica"]
+    state = setup_lib.train_state_from_params(setup, params)
+    logged = jax.device_get(step.make_train_step(setup, donate=False)(
+        state, place(setup, params, batch)[1])[1])
+    (replica_out, replica_grads), (piped_out, piped_grads) = got["replica"], got["pipeline"]
+    assert max_diff(piped_grads, replica_grads) < TOL
+    assert max_diff(replica_grads, plain_grads) > 100 * TOL   # the term is in the gradients
+    assert piped_out.metrics.keys() == replica_out.metrics.keys() == {
+        "logit_square", "loss_token_fraction"}
+    for key, value in replica_out.metrics.items():
+        np.testing.assert_allclose(piped_out.metrics[key], value, rtol=1e-5)
+        np.testing.assert_allclose(logged[key], value, rtol=1e-5)
+    positions = 16 * 16   # train.global_batch x train.seq_len
+    assert ref_tokens < positions   # the batch's masked targets make the fraction informative
+    np.testing.assert_allclose(replica_out.metrics["loss_token_fraction"],
+                               ref_tokens / positions, rtol=1e-6)
 
 
 def test_executed_matmul_flops_equal_the_unpipelined_steps():
@@ -181,8 +239,8 @@ def test_executed_matmul_flops_equal_the_unpipelined_steps():
     forward is folded into its B. Counting every branch of every step, as hlo.matmul_flops
     does, gives several times as much."""
     name = "interleaved_p2_v2_m4_tensor2_sp_data2_zero1"
-    setup, *_, compiled = pipelined(name)
-    s = pipeline_model.build(setup).schedule
+    setup, *_, compiled, _ = pipelined(name)
+    s = pipeline_executor.build(setup).schedule
     executed = pipeline_flops.executed_matmul_flops(compiled.as_text(), s.table.columns,
                                                     s.stages, s.virtual_stages)
     flat = [f for f in LAYOUTS[name] if not f.startswith(("--parallel.stage", "--parallel.sch",

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from jaxtrain.parallel.pipeline_schedule import (ScheduleError, build_schedule, rank_orders, simulate)
+from jaxtrain.ledger.pipeline_schedule import (ScheduleError, build_schedule, rank_orders, simulate)
 
 
 def _cases():

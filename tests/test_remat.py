@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxtrain import step
+from jaxtrain.executors import replica, setup as setup_lib
 from jaxtrain.parallel import remat, sharding
 from jaxtrain.tools import hlo, remat_sweep
 from jaxtrain.model import llama as model_lib
@@ -41,8 +41,8 @@ def _cfg(policy="none", *overrides):
 
 
 def _mean_loss(setup, params, mb):
-    s, c = step.loss_sums(setup, params, mb)
-    return s / c
+    objective, sums = replica.loss_sums(setup, params, mb)
+    return objective / sums.tokens
 
 
 def _init_params(setup):
@@ -55,7 +55,7 @@ def _init_params(setup):
 
 
 def _compile_value_and_grad(cfg, mesh, params, mb):
-    setup = step.build(cfg, mesh)
+    setup = setup_lib.build(cfg, mesh)
     f = jax.jit(jax.value_and_grad(lambda p, b: _mean_loss(setup, p, b)))
     return f.lower(params, mb).compile(compiler_options=FAST)
 
@@ -65,7 +65,7 @@ def one_device():
     """Per policy: (loss, grads, compiled temp bytes, compiled matmul FLOPs) on one device."""
     mesh = sharding.make_mesh(ParallelConfig(data=1), jax.devices()[:1])
     cfg = _cfg()
-    params = _init_params(step.build(cfg, mesh))
+    params = _init_params(setup_lib.build(cfg, mesh))
     mb = {k: np.asarray(v) for k, v in random_batch(cfg).items()}
     out = {}
     for policy in POLICIES:
@@ -144,7 +144,7 @@ def test_policies_compose_with_fsdp_tensor_and_sequence_parallel(one_device):
     mb = {k: jax.device_put(v, batch_sh) for k, v in mb.items()}
     # block:1 covers both a checkpointed (fenced) layer and plain scanned ones.
     cfg = _cfg("block:1", *par)
-    placed = jax.device_put(params, step.build(cfg, mesh).param_shardings)
+    placed = jax.device_put(params, setup_lib.build(cfg, mesh).param_shardings)
     loss, grads = _compile_value_and_grad(cfg, mesh, placed, mb)(placed, mb)
     _assert_same((float(loss), jax.device_get(grads)), out["none"], 1e-5)
 
@@ -244,7 +244,7 @@ def test_offload_needs_pinned_host_memory():
 def test_build_rejects_an_invalid_remat_config():
     mesh = sharding.make_mesh(ParallelConfig(data=1), jax.devices()[:1])
     with pytest.raises(remat.RematConfigError, match="does not divide"):
-        step.build(_cfg("uniform:3"), mesh)
+        setup_lib.build(_cfg("uniform:3"), mesh)
 
 
 def test_labels_round_trip():

@@ -89,7 +89,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_starting_over_on_existing_checkpoints_is_refused_before_compiling(tmp_path, monkeypatch):
     trainer.train(tiny_config("--train.steps=2", workdir=str(tmp_path)))
-    monkeypatch.setattr(trainer.step_lib, "build", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setattr(trainer.setup_lib, "build", lambda *a: pytest.fail("compiled"))
     again = tiny_config("--train.steps=2", "--checkpoint.resume=false", workdir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"resume=false starts over.*steps 2\).*fresh folder"):
         trainer.train(again)

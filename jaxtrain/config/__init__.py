@@ -1,5 +1,5 @@
 """Typed configuration: sections.py (the dataclasses, frozen once validated), loading.py
-(recipes, dotted overrides, derived copies) and rules.py (validation).
+(recipes, dotted overrides, derived copies), rules.py (validation) and errors.py.
 
 A recipe is a Python file defining `get_config() -> Config`; recipes derive from each other by
 calling one another's `get_config()` and changing fields. Overrides are `section.key=value`
@@ -10,15 +10,16 @@ device count are jaxtrain.config_check's (`check(cfg, n_devices)` runs both).
 This package imports nothing of ours but itself (docs/design.md §1); `from jaxtrain.config
 import X` reaches every name below.
 """
+from jaxtrain.config.errors import ConfigError, FrozenConfigError
 from jaxtrain.config.sections import (
-    CheckpointConfig, Config, ConfigError, DataConfig, Fp8Config, FrozenConfigError, ModelConfig,
-    MoeConfig, ParallelConfig, PrepareConfig, RematConfig, RopeScaling, TrainConfig, parse_duration)
+    CheckpointConfig, Config, DataConfig, Fp8Config, ModelConfig, MoeConfig, ParallelConfig,
+    PrepareConfig, RematConfig, RopeScaling, TrainConfig)
 from jaxtrain.config.loading import (
     apply_overrides, derive, from_dict, load_config, load_recipe, parse_value, set_value)
 from jaxtrain.config.rules import (
     CONTEXT_STRATEGIES, DEGREES, FP8_ALIGN, check_batch_split, check_context_core,
-    check_context_split, check_fill, check_fp8, check_gqa, check_moe, parse_mixture, validate,
-    validate_data)
+    check_context_split, check_fill, check_fp8, check_gqa, check_moe, padded_vocab,
+    parse_duration, parse_mixture, validate, validate_data)
 
 __all__ = [
     "CheckpointConfig",
@@ -52,6 +53,7 @@ __all__ = [
     "check_fp8",
     "check_gqa",
     "check_moe",
+    "padded_vocab",
     "parse_mixture",
     "validate",
     "validate_data",

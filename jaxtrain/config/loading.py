@@ -13,7 +13,8 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from jaxtrain.config.sections import Config, ConfigError
+from jaxtrain.config.errors import ConfigError
+from jaxtrain.config.sections import Config
 
 
 def load_recipe(path: str | pathlib.Path) -> Config:

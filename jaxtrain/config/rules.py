@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import math
+import re
 import shlex
+from typing import TYPE_CHECKING
 
-from jaxtrain.config.sections import (Config, ConfigError, DataConfig, Fp8Config, ModelConfig,
-                                      MoeConfig, ParallelConfig, parse_duration)
+from jaxtrain.config.errors import ConfigError
+
+if TYPE_CHECKING:  # sections.py imports this module (Config.validate): types only here
+    from jaxtrain.config.sections import (Config, DataConfig, Fp8Config, ModelConfig,
+                                          MoeConfig, ParallelConfig)
 
 # The rules a config must pass before anything runs. `validate` (Config.validate) applies those
 # that need no devices; jaxtrain.config_check.check(cfg, n_devices) applies them too, then the
@@ -18,6 +23,13 @@ CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "cudnn"),
                       "ring": ("auto", "xla", "pallas")}
 FP8_ALIGN = 16  # FP8 GEMMs need K and N multiples of 16 (cuBLASLt, Transformer Engine)
 MOE_SCORE_FUNCTIONS = ("softmax",)   # model.moe.score_function (DeepSeek's sigmoid: next)
+
+
+def padded_vocab(vocab_size: int, tensor: int) -> int:
+    """Megatron's make-vocab-size-divisible-by (128·t): the vocab the model, the data's
+    tokenizer check and the ledger all use."""
+    multiple = 128 * tensor
+    return -(-vocab_size // multiple) * multiple
 
 
 def _check(ok: bool, msg: str, error: type[ConfigError] = ConfigError) -> None:
@@ -243,3 +255,36 @@ def validate(cfg: Config) -> None:
            f"fp8.bf16_first_layers={f.bf16_first_layers} + fp8.bf16_last_layers="
            f"{f.bf16_last_layers} exceeds model.num_layers={m.num_layers}; lower them")
     _check(cfg.remat.num_layers >= 0, "remat.num_layers must be >= 0")
+
+
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, key: str) -> float:
+    """Seconds in `text`: "" (0: never), seconds ("3600"), units ("90m", "1h30m", "2d") or
+    SLURM's --time forms with a colon or a dash (MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)."""
+    text = text.strip().lower()
+    if not text:
+        return 0.0
+    bad = ConfigError(f"{key}={text!r} is not a duration; write seconds (3600), with units (90m, "
+                      "23.5h, 1h30m) or as SLURM's [D-]HH:MM:SS")
+    try:
+        if re.fullmatch(r"\d+(\.\d*)?", text):
+            return float(text)
+        if re.fullmatch(r"(\d+(\.\d*)?[smhd])+", text):
+            return sum(float(n) * _UNIT_S[u] for n, _, u in
+                       re.findall(r"(\d+(\.\d*)?)([smhd])", text))
+        days, _, clock = text.rpartition("-") if "-" in text else ("0", "", text)
+        parts = [int(x) for x in clock.split(":")]
+        if "-" in text:  # D-HH[:MM[:SS]]
+            if len(parts) > 3:
+                raise bad
+            parts += [0] * (3 - len(parts))
+        elif len(parts) == 2:  # MM:SS
+            parts = [0, *parts]
+        elif len(parts) != 3:
+            raise bad
+        h, m, sec = parts
+        return float(int(days) * 86400 + h * 3600 + m * 60 + sec)
+    except ValueError:
+        raise bad from None

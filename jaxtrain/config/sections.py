@@ -1,19 +1,13 @@
 """The config's typed sections (ModelConfig, ParallelConfig, ...), the Config that holds
-them, its errors and its freezing: a validated config is read-only."""
+them and its freezing: a validated config is read-only."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Literal, Optional
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says which key to change."""
-
-
-class FrozenConfigError(ConfigError):
-    """An assignment to a loaded (validated) config; derive a new one instead."""
+from jaxtrain.config import rules
+from jaxtrain.config.errors import FrozenConfigError
 
 
 class _Section:
@@ -201,7 +195,7 @@ class TrainConfig(_Section):
 
     @property
     def max_runtime_s(self) -> float:
-        return parse_duration(self.max_runtime, "train.max_runtime")
+        return rules.parse_duration(self.max_runtime, "train.max_runtime")
 
 
 @dataclasses.dataclass
@@ -251,8 +245,7 @@ class Config(_Section):
     def validate(self) -> "Config":
         """Check everything that needs no devices, then freeze: the validated config is the
         run's."""
-        from jaxtrain.config.rules import validate   # the rules read these classes
-        validate(self)
+        rules.validate(self)
         _freeze(self)
         return self
 
@@ -261,41 +254,3 @@ class Config(_Section):
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
-
-
-
-
-
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str, key: str) -> float:
-    """Seconds in `text`: "" (0: never), seconds ("3600"), units ("90m", "1h30m", "2d") or
-    SLURM's --time forms with a colon or a dash (MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)."""
-    text = text.strip().lower()
-    if not text:
-        return 0.0
-    bad = ConfigError(f"{key}={text!r} is not a duration; write seconds (3600), with units (90m, "
-                      "23.5h, 1h30m) or as SLURM's [D-]HH:MM:SS")
-    try:
-        if re.fullmatch(r"\d+(\.\d*)?", text):
-            return float(text)
-        if re.fullmatch(r"(\d+(\.\d*)?[smhd])+", text):
-            return sum(float(n) * _UNIT_S[u] for n, _, u in
-                       re.findall(r"(\d+(\.\d*)?)([smhd])", text))
-        days, _, clock = text.rpartition("-") if "-" in text else ("0", "", text)
-        parts = [int(x) for x in clock.split(":")]
-        if "-" in text:  # D-HH[:MM[:SS]]
-            if len(parts) > 3:
-                raise bad
-            parts += [0] * (3 - len(parts))
-        elif len(parts) == 2:  # MM:SS
-            parts = [0, *parts]
-        elif len(parts) != 3:
-            raise bad
-        h, m, sec = parts
-        return float(int(days) * 86400 + h * 3600 + m * 60 + sec)
-    except ValueError:
-        raise bad from None
-
-

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxtrain.config import padded_vocab
 from jaxtrain.data.errors import DataError
-from jaxtrain.ledger.memory import padded_vocab
 
 
 class Tokenizer:

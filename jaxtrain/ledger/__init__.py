@@ -3,8 +3,8 @@ and the expected step time of a parallel layout (docs/design.md §5). With pipel
 jaxtrain's lock-step executor (`ledger.pipeline`). `jaxtrain.tools.plan` searches layouts with it;
 the trainer uses `mfu`/`hfu` and `describe(estimate(...))`; the dry run compares it with XLA."""
 from jaxtrain.ledger.comm import bubble_fraction
-from jaxtrain.ledger.estimate import (Assumptions, Estimate, REMAT_VARIANTS, describe, estimate,
-                                      remat_label, uses_flash)
+from jaxtrain.ledger.estimate import (Assumptions, Estimate, REMAT_VARIANTS, estimate, remat_label,
+                                      uses_flash)
 from jaxtrain.ledger.flops import (ParamCounts, hfu, hfu_flops_per_token, mfu,
                                    model_flops_per_token, param_counts,
                                    recompute_flops_per_token, tokens_per_step)
@@ -14,6 +14,7 @@ from jaxtrain.ledger.layout import (Layout, LayoutError, layout_from_config, sta
                                     validate_layout)
 from jaxtrain.ledger.memory import BUDGET_FRACTION, bytes_per_param, held_bytes_per_param
 from jaxtrain.ledger.pipeline import Executor, chunk_input_bytes, executor
+from jaxtrain.ledger.summary import describe
 
 __all__ = [
     "Assumptions", "BUDGET_FRACTION", "Estimate", "Executor", "GB", "GPUS", "GiB", "Gpu", "Layout",

@@ -13,7 +13,7 @@ Conventions (docs/design.md §5), N_local = parameters one device holds after TP
   gathers and reduce-scatters); the head (and final norm) gathered once per step (outside
   the microbatch loop) and reduce-scattered per microbatch; the embedding table never moves
   (its lookup gathers token ids and trades activations: two all-to-alls of s·b·h·2 per
-  microbatch, sharding.ShardedLookup).
+  microbatch, sharded_kernels.ShardedLookup).
 - TP with SP: per layer per microbatch 10 sequence-sized collectives of (t-1)/t·s·b·h·2 (the
   forward's 2 all-gathers + 2 reduce-scatters; the backward's 2 all-gathers of the output
   cotangents, 2 re-gathers of the norm outputs for the weight gradients, 2 reduce-scatters:
@@ -42,10 +42,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, padded_vocab
 from jaxtrain.ledger.hardware import Gpu
 from jaxtrain.ledger.layout import AXES_FAST_TO_SLOW, Layout
-from jaxtrain.ledger.memory import padded_vocab
 from jaxtrain.ledger.pipeline import Executor, chunk_input_bytes
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from jaxtrain.config import Config, ConfigError, check_batch_split, check_context_split, check_fill
+from jaxtrain.ledger.pipeline_schedule import ScheduleError, validate as schedule_rules
 
 # Fastest-varying first: device order puts tensor innermost (Megatron's tp-cp-dp-pp).
 AXES_FAST_TO_SLOW = ("tensor", "context", "fsdp", "data", "stage")
@@ -129,7 +130,6 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
         if L.stage == 1:
             raise LayoutError(f"virtual_stages={L.virtual_stages} needs stage > 1 (interleaving "
                               "splits each pipeline stage into chunks)")
-        from jaxtrain.parallel.pipeline_schedule import ScheduleError, validate as schedule_rules
         try:  # virtual stages run the interleaved schedule (ledger.pipeline, the trainer)
             schedule_rules("interleaved_1f1b", L.stage, L.microbatches, L.virtual_stages)
         except ScheduleError as err:

@@ -24,7 +24,7 @@ Conventions (docs/design.md §5):
   without full recompute (jax's partial evaluation of a conditional re-emits its operands).
 - Static with stages: every rank holds v chunks of the largest chunk's layers (uneven stages
   are padded to it) and one vocab table row (rank 0 the embedding, rank p-1 the head and the
-  final norm: pipeline_model's edge rows) for its compute copy and gradient accumulator; the
+  final norm: the pipeline executor's edge rows) for its compute copy and gradient accumulator; the
   fp32 masters and Adam moments of both tables stay replicated over stage.
 - Budget: static + activations + reserve must fit in 90% of device memory.
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.config import Config, RematConfig
+from jaxtrain.config import Config, RematConfig, padded_vocab
 from jaxtrain.ledger.flops import param_counts
 from jaxtrain.ledger.hardware import GiB
 from jaxtrain.ledger.layout import Layout
@@ -67,12 +67,6 @@ def held_bytes_per_param(layout: Layout) -> dict[str, float]:
     # context ranks (parameters are replicated over both).
     zero = layout.data * layout.context if layout.zero1 else 1
     return {"param": 2 / f, "grad": grad / f, "optimizer": OPTIMIZER_BYTES / (f * zero)}
-
-
-def padded_vocab(vocab_size: int, tensor: int) -> int:
-    """Megatron's make-vocab-size-divisible-by (128·t), as jaxtrain.parallel.sharding pads."""
-    multiple = 128 * tensor
-    return -(-vocab_size // multiple) * multiple
 
 
 def layer_params_local(cfg: Config, tensor: int) -> float:

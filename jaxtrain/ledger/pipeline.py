@@ -1,6 +1,6 @@
 """The pipeline executor jaxtrain runs (jaxtrain.parallel.pipeline), counted from its lock-step table.
 
-A schedule (jaxtrain.parallel.pipeline_schedule, pure Python) is simulated once into `steps` lock-step
+A schedule (ledger.pipeline_schedule, pure Python) is simulated once into `steps` lock-step
 steps; in each, every rank may run one B (first) and one F of a chunk for one microbatch.
 What that means per device per train step, and where the ledger uses it:
 - memory (ledger.memory): an F stashes its chunk's VJP residuals for that microbatch, what the
@@ -28,6 +28,7 @@ import functools
 
 from jaxtrain.config import Config
 from jaxtrain.ledger.layout import Layout
+from jaxtrain.ledger.pipeline_schedule import build_schedule, step_flags
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECEIVE_BUFFERS = 2   # the activation arriving from the left and the cotangent from the right
@@ -93,7 +94,6 @@ class Executor:
 def _table(kind: str, p: int, m: int, v: int) -> tuple:
     """(steps, f_steps, b_steps, head_steps, stash, inbox, cotangent slots) of the training
     table."""
-    from jaxtrain.parallel.pipeline_schedule import build_schedule, step_flags
     table = build_schedule(kind, p, m, v).table
     flags = step_flags(table)
     return (table.num_steps, int(flags["any_f"].sum()), int(flags["any_b"].sum()),

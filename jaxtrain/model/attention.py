@@ -8,9 +8,9 @@ h reads KV head h // (H/K). Implementations:
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs, bf16/fp16.
 
 A kernel is an opaque custom call that GSPMD cannot split, so on a mesh `pallas` and `cudnn`
-run per shard under `jax.shard_map` (sharding.shard_attention: batch and heads where the rules
-table puts them, the sequence whole, or, under context parallelism, split over `context` with
-every core run by context_attention.py's strategies). Which core `auto`
+run per shard under `jax.shard_map` (parallel/sharded_kernels.py: batch and heads where the
+rules table puts them, the sequence whole, or, under context parallelism, split over `context`
+with every core run by context_attention.py's strategies). Which core `auto`
 means, and whether the kernel is interpreted, follows the devices the program is compiled
 for (`sharding.platform`), so a compile for GPU targets picks what a GPU would run.
 """
@@ -144,7 +144,7 @@ def _check_cudnn(model_cfg, platform: str):
 def select(model_cfg, platform: str):
     """The per-device attention core for `model.attention` on `platform` devices ('gpu',
     'cpu': see sharding.platform), checked against the model config. On a mesh, kernels run
-    per shard: sharding.shard_attention wraps them."""
+    per shard: sharded_kernels.shard_attention wraps them."""
     impl = resolve(model_cfg.attention, platform)
     check_gqa(model_cfg, AttentionConfigError)  # also for model configs built without validate()
     if impl == "xla":

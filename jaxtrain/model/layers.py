@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model import fp8 as fp8_lib
 
 
 def param(rngs: nnx.Rngs, init, shape, axes, dtype):
@@ -36,36 +35,30 @@ def swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-class Fp8MetaState(nnx.Variable):
-    """An `fp8.Fp8Meta` (scales, amax histories): train state outside `params`, never optimised."""
-
-
 class Dense(nnx.Module):
     """A projection: contracts x's last `len(in_shape)` dims with the kernel's leading dims.
 
-    With `ops.fp8` it also owns an FP8 meta; `fp8=True` calls then run in FP8 (x is the E4M3
-    activation operand, the kernel the E4M3 weight operand, gradients E5M2).
+    With FP8 on (`ops.fp8`, the converter) it also owns an FP8 meta, and `fp8=True` calls run
+    in FP8.
     """
 
     def __init__(self, in_shape, out_shape, axes, *, cfg: ModelConfig, ops, rngs, std,
                  name: str):
-        """`ops`: the model's llama.Ops (its dot_general and FP8 plan)."""
+        """`ops`: the model's llama.Ops (its dot_general and FP8 converter)."""
         self.kernel = param(rngs, normal(std), (*in_shape, *out_shape), axes,
                             jnp.dtype(cfg.param_dtype))
         self.n_in = len(in_shape)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.ops = ops
         self.name = name
-        if ops.fp8 is not None:
-            self.fp8_meta = Fp8MetaState(fp8_lib.init_meta(ops.fp8.recipe))
+        self.fp8_meta = ops.fp8.new_meta()
 
     def __call__(self, x, fp8: bool = False):
         return self.apply(x, self.weights(), fp8)
 
     def weights(self):
         """(kernel, FP8 meta or None): what `apply` computes with, as arrays."""
-        return self.kernel[...], (self.fp8_meta.get_value() if self.ops.fp8 is not None
-                                  else None)
+        return self.kernel[...], self.ops.fp8.meta_value(self.fp8_meta)
 
     def apply(self, x, weights, fp8: bool = False):
         """The projection of x with `weights` (from `weights()`), reading no variable itself:
@@ -74,14 +67,8 @@ class Dense(nnx.Module):
         w = kernel.astype(self.compute_dtype)
         n = self.n_in
         dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
-        x = x.astype(self.compute_dtype)
-        if fp8:
-            if self.ops.fp8 is None:
-                raise fp8_lib.Fp8Error(f"{self.name}: fp8=True but the model was built without "
-                                       "Ops.fp8 (no FP8 meta); set fp8.enabled=true")
-            return fp8_lib.fp8_dot_general(x, w, dims, meta=meta, cfg=self.ops.fp8.recipe,
-                                           name=self.name)
-        return self.ops.dot_general(x, w, dims)
+        return self.ops.fp8.project(x.astype(self.compute_dtype), w, dims, meta, fp8=fp8,
+                                    dot_general=self.ops.dot_general, name=self.name)
 
 
 def project_gathered(gather, x, projections, fp8: bool):

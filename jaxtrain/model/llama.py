@@ -6,12 +6,11 @@ identity unless `sharding` provides one. Every projection matmul goes through on
 `dot_general`. Activations carry `checkpoint_name` tags that `remat` policies refer to.
 Parameters are fp32 masters; each use casts them to `compute_dtype`.
 
-FP8 (`Ops.fp8`): the projections (q/k/v/o, gate/up/down) of the middle layers run through
-`fp8.fp8_dot_general`; each projection owns an `Fp8MetaState` variable (stacked with the
-layers like the kernels, so the layer scan slices one meta per layer). Embedding, lm_head,
-norms, attention and residuals never see FP8. `bf16_first`/`bf16_last` layers keep their
-projections in the compute dtype: the stack runs as up to three scans over static layer
-ranges (`layer_spans`), so every scan body is one fixed kind of layer.
+FP8 (`Ops.fp8`, the converter of model/fp8.py): the projections (q/k/v/o, gate/up/down) ask
+it for their meta variable (stacked with the layers like the kernels, so the layer scan slices
+one meta per layer) and their matmul; the stack runs as the static layer ranges it gives
+(`layer_spans`: bf16 first/last layers apart), so every scan body is one fixed kind of layer.
+Embedding, lm_head, norms, attention and residuals never see FP8. The loss is model/loss.py's.
 
 Shape letters: B batch, S sequence, D hidden, H query heads, K kv heads, G = H/K, E head dim,
 F mlp, V vocab, L layers.
@@ -29,12 +28,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.model import attention as attention_lib
-from jaxtrain.model import fp8 as fp8_lib
 from jaxtrain.model import moe as moe_lib
 from jaxtrain.model import stack as stack_lib
+from jaxtrain.model.fp8 import Fp8Converter
 from jaxtrain.model.layers import (Dense, RMSNorm, gather_sequence, normal, param,
                                    project_gathered, project_scattered, split_sequence, swiglu)
-from jaxtrain.model.layers import Fp8MetaState  # noqa: F401  (callers name it model_lib's)
 from jaxtrain.config import ModelConfig
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
@@ -51,14 +49,6 @@ def identity_constrain(x, names):
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Layers:
-    """Which layers' projections run in FP8, and the recipe (hashable: lives in the graphdef)."""
-    recipe: fp8_lib.Recipe
-    bf16_first: int = 0
-    bf16_last: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class Ops:
     """What the model lets the outside world choose: how to matmul, how to shard, how to attend.
 
@@ -69,25 +59,17 @@ class Ops:
     runs as several layer ranges (FP8 with bf16 first/last layers), `span_runner(start, stop)`
     gives the runner of layers [start, stop) (default: `run_layers` for every range).
     `grouped_dot(x_ND, w_EDF, group_sizes_E) -> y_NF` is the MoE experts' grouped GEMM
-    (lax.ragged_dot's contract; on Hopper kernels.grouped_matmul).
+    (lax.ragged_dot's contract; on Hopper kernels.grouped_matmul). `fp8` says which
+    projections run in FP8 and owns their metas (default: FP8 off).
     """
     dot_general: DotGeneral = jax.lax.dot_general
     constrain: Constrain = identity_constrain
     attention: Callable = attention_lib.xla_attention
     embed_lookup: Callable = None   # (table_VD, tokens_BS) -> x_BSD; default jnp.take
     run_layers: Optional[Callable] = None
-    fp8: Optional[Fp8Layers] = None
+    fp8: Fp8Converter = Fp8Converter()
     span_runner: Optional[Callable[[int, int], Callable]] = None
     grouped_dot: Callable = moe_lib.ragged_dot
-
-
-def layer_spans(num_layers: int, fp8: Optional[Fp8Layers]) -> list[tuple[int, int, bool]]:
-    """[(start, stop, runs_fp8)]: the static layer ranges the stack runs as."""
-    if fp8 is None:
-        return [(0, num_layers, False)]
-    first, last = fp8.bf16_first, num_layers - fp8.bf16_last
-    spans = [(0, first, False), (first, last, True), (last, num_layers, False)]
-    return [s for s in spans if s[1] > s[0]]
 
 
 def _real_vocab_rows(init, real_vocab: int, axis: int):
@@ -254,9 +236,9 @@ class Llama(nnx.Module):
         # kinds keeps its dense layers in `dense_blocks` (stack.py runs the two as groups).
         kinds = cfg.moe_layers
         self.has_moe = any(kinds)
-        if self.has_moe and ops.fp8 is not None:
-            raise ValueError("Ops.fp8 with model.moe: the experts' grouped GEMMs have no FP8 "
-                             "path yet; build the MoE model without FP8")
+        if self.has_moe:
+            ops.fp8.refuse("Ops.fp8 with model.moe: the experts' grouped GEMMs have no FP8 "
+                           "path yet; build the MoE model without FP8")
         self.blocks = _stack(cfg, ops, rngs, sum(kinds) or cfg.num_layers, moe=self.has_moe)
         if self.has_moe and not all(kinds):
             self.dense_blocks = _stack(cfg, ops, rngs, kinds.count(False), moe=False)
@@ -303,7 +285,7 @@ class Llama(nnx.Module):
             return self._run_moe_stack(x_BSD, cos, sin, segment_ids_BS)
         apply, state = self.block_fn()
         n = self.cfg.num_layers
-        for start, stop, span_fp8 in layer_spans(n, self.ops.fp8):
+        for start, stop, span_fp8 in self.ops.fp8.layer_spans(n):
             def block_fn(s, x, fp8=span_fp8 and use_fp8):
                 return apply(s, x, cos, sin, segment_ids_BS, fp8)
             # Slicing copies the range's layer state; the common cases (one range) do not.
@@ -369,17 +351,3 @@ class Llama(nnx.Module):
             x_BSD, stats = x_BSD
             return self.logits(x_BSD), stats
         return self.logits(x_BSD)
-
-
-def cross_entropy_sum(logits_BSV, targets_BS, mask_BS):
-    """Summed token cross entropy in fp32 and the number of counted tokens.
-
-    Sums (not means) so microbatches and data shards combine exactly. The target logit is
-    picked with a one-hot product so a vocab-sharded logits array is reduced where it lives
-    instead of being gathered onto one device (Megatron's vocab-parallel cross entropy)."""
-    logits_BSV = logits_BSV.astype(jnp.float32)
-    lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
-    onehot_BSV = jax.nn.one_hot(targets_BS, logits_BSV.shape[-1], dtype=jnp.float32)
-    target_BS = jnp.sum(logits_BSV * onehot_BSV, axis=-1)
-    mask_BS = mask_BS.astype(jnp.float32)
-    return jnp.sum((lse_BS - target_BS) * mask_BS), jnp.sum(mask_BS)

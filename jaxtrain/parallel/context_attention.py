@@ -2,9 +2,9 @@
 
 Under `parallel.context = c` the sequence of every activation is split over the `context` mesh
 axis (the rules table); attention is the one op that mixes positions. It runs per shard
-(sharding.ShardedAttention: a shard_map with `context` manual) on a rank's queries, keys and
-values, with each token's segment id and global position (`data/context.py`: under causal
-load balancing rank r holds chunks r and 2c-1-r), in one of two ways:
+(sharded_kernels.ShardedAttention: a shard_map with `context` manual) on a rank's queries,
+keys and values, with each token's segment id and global position (`data/context.py`: under
+causal load balancing rank r holds chunks r and 2c-1-r), in one of two ways:
 
 - `all_gather`: K, V (and their segment ids and positions) are all-gathered over `context`,
   the core attends the local queries to all of them, and the backward reduce-scatters dK, dV.

@@ -1,7 +1,8 @@
 """The mesh's axis names, outermost first (device order: tensor varies fastest, as Megatron's
 tp-cp-dp-pp). Code outside sharding.py takes them from here (the pipeline executor, the
-context attention, the step, the XLA defaults); sharding.py's rules table, the one place that
-maps logical names onto mesh axes, spells them out so the table reads as the mapping."""
+context attention, the kernels' shard_maps, the executors, the XLA defaults); sharding.py's
+rules table, the one place that maps logical names onto mesh axes, spells them out so the
+table reads as the mapping."""
 
 MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")
 STAGE, DATA, FSDP, CONTEXT, TENSOR = MESH_AXES

@@ -7,14 +7,18 @@ activation right and one cotangent left (ppermute over `stage`):
 
 - F (training): the chunk's forward with its residuals (pipeline_stash.ChunkProgram); what
   depends on the microbatch goes to the F's stash slot. Virtual stage 0 embeds its input
-  (`fns.embed`) or reads the pipeline input x; the others read their inbox slot.
+  (`fns.embed`); the others read their inbox slot.
 - B: the chunk's stashed pullback, applied to the cotangent from the right; it recomputes only
   what the remat policy dropped and the parameter-only residuals. The last virtual stage's B
   runs its chunk's forward too (its F is folded in: nothing waits between them), then the
-  head and loss, seeded with 1; virtual stage 0's B also differentiates the embedding (or
-  writes d_x).
-- forward only (`schedule.forward_table`: evaluation and the autodiff reference): F runs the
-  chunk; the last virtual stage adds the head's loss.
+  head, whose objective it seeds with 1, and adds the head's sums; virtual stage 0's B also
+  differentiates the embedding.
+- forward only (`schedule.forward_table`: evaluation): F runs the chunk; the last virtual
+  stage adds the head's sums.
+
+The head returns (objective, sums): the scalar the backward differentiates and a pytree of
+scalars (the model's loss as sums, jaxtrain.model.loss) the executor adds up over microbatches
+and replicas without knowing what they are.
 
 A rank with nothing to do in a step skips it: F and B are `lax.switch`es on the rank's own
 table entry, so no chunk runs on zeros and a device's matmuls are exactly its m·v chunk
@@ -33,7 +37,7 @@ outside, the copy stayed alive beside the last stage's own residual set: one set
 Gradients accumulate in fp32 per rank and per data replica and leave the shard_map stacked
 [replicas, p, ...] (P(data, stage)): the caller reduces the replica dim once, where the
 optimizer's sharding turns it into a reduce-scatter under ZeRO-1 (an all-reduce inside the
-shard_map would hold an fp32 copy of every gradient). The loss is psum'd here.
+shard_map would hold an fp32 copy of every gradient). The head's sums are psum'd here.
 
 The shard_map is untyped (check_vma=False): a vjp w.r.t. a value the same on every rank
 returns this rank's part, never an autodiff psum inside a branch. Idle sends and empty
@@ -49,9 +53,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.ledger.pipeline_schedule import Schedule
 from jaxtrain.parallel.mesh_axes import DATA, STAGE
-from jaxtrain.parallel.pipeline_schedule import Schedule
 from jaxtrain.parallel.pipeline_stash import ChunkProgram, chunk_program
+from jaxtrain.parallel.remat import opaque_zeros
 
 STAGE_AXIS, DATA_AXIS = STAGE, DATA
 # name scopes of the F and B branches: a dry run weights their matmuls by how often each runs
@@ -61,8 +66,8 @@ F_SCOPE, B_SCOPE = "pipeline_f", "pipeline_b"
 class Fns(NamedTuple):
     """The model the executor runs; none closes over a value being differentiated."""
     chunk: Callable                  # (chunk params [..], x, chunk aux of one microbatch) -> x
-    head_loss: Callable              # (edge row, y, aux of one microbatch) -> scalar
-    embed: Optional[Callable]        # (edge row, inputs of one microbatch) -> x; None: x given
+    head_loss: Callable              # (edge row, y, aux of one microbatch) -> (objective, sums)
+    embed: Callable                  # (edge row, inputs of one microbatch) -> x
 
 
 class GradCombine(NamedTuple):
@@ -90,10 +95,9 @@ class Carry(NamedTuple):
     cots: Optional[jax.Array]        # [slots, *act]: cotangents waiting for their B
     recv_x: jax.Array                # what arrived from the left at the end of the last step
     recv_g: Optional[jax.Array]      # ... and from the right
-    loss: jax.Array                  # summed microbatch losses (fp32)
+    sums: Any                        # the head's sums over this rank's microbatches
     d_chunk: Any                     # fp32 [v, ...] gradient sums of the rank's chunks
     d_edge: Any                      # fp32 gradient sums of the rank's edge row
-    d_x: Optional[jax.Array]         # [m, *act] input cotangents (no embedding)
     held: jax.Array                  # stash slots in use, and their peak
     peak: jax.Array
 
@@ -109,6 +113,7 @@ class Rank(NamedTuple):
     aux: Any
     caux: Any
     fill_x: jax.Array                # one microbatch's activations, all `fill`
+    no_sums: Any                     # the head's sums, all zeros (a step without a head)
     program: Optional[ChunkProgram]  # training only
 
 
@@ -122,17 +127,16 @@ def _put(buf, slot, val):
     return buf.at[s].set(jnp.where(slot >= 0, val, buf[s]))
 
 
-def _opaque_zero(x):
-    """int32 0 that depends on x, which XLA's simplifier cannot fold away."""
-    return (jnp.minimum(jnp.abs(x), 0) > 0).astype(jnp.int32)
-
-
 def _take(tree, k):
     return jax.tree.map(lambda a: a[k], tree)
 
 
 def _add(acc, d):
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d)
+
+
+def _zeros(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
 
 
 def _fp32_zeros(tree):
@@ -157,29 +161,28 @@ def batch_spec(a, data: bool) -> P:
 
 # ----------------------------------------------------------------------------- one step's ops
 def _first_input(fns: Fns, rk: Rank, k):
-    """Virtual stage 0's chunk input: the embedded microbatch, or x[k]."""
-    if fns.embed is None:
-        return rk.x[k]
+    """Virtual stage 0's chunk input: the embedded microbatch."""
     return fns.embed(rk.edge, _take(rk.x, k)).astype(rk.fill_x.dtype)
 
 
-def _head_loss(fns: Fns, rk: Rank, edge, y, k):
-    return fns.head_loss(edge, y, _take(rk.aux, k)).astype(jnp.float32)
+def _head(fns: Fns, rk: Rank, edge, y, k):
+    """(fp32 objective, sums) of microbatch k's head."""
+    objective, sums = fns.head_loss(edge, y, _take(rk.aux, k))
+    return objective.astype(jnp.float32), sums
 
 
 def _f_op(fns: Fns, rk: Rank, c: Carry, row, from_input: bool, backward: bool):
-    """One F: (what goes right, the residuals to stash, the loss it adds)."""
+    """One F: (what goes right, the residuals to stash, the sums it adds)."""
     j, k = jnp.maximum(row["f_chunk"], 0), jnp.maximum(row["f_mb"], 0)
     x_in = _first_input(fns, rk, k) if from_input else c.inbox[jnp.maximum(row["f_in"], 0)]
     params, caux = _take(rk.chunks, j), _take(rk.caux, k)
     if backward:
         y, saved = rk.program.forward(params, x_in, caux)
-        return y, tuple(saved), jnp.zeros((), jnp.float32)
+        return y, tuple(saved), rk.no_sums
     y = fns.chunk(params, x_in, caux)
     is_last = j * rk.p + rk.r == rk.num_v - 1
-    loss = lax.cond(is_last, lambda: _head_loss(fns, rk, rk.edge, y, k),
-                    lambda: jnp.zeros((), jnp.float32))
-    return y, (), loss
+    sums = lax.cond(is_last, lambda: _head(fns, rk, rk.edge, y, k)[1], lambda: rk.no_sums)
+    return y, (), sums
 
 
 class BOut(NamedTuple):
@@ -188,37 +191,39 @@ class BOut(NamedTuple):
     dx: jax.Array
     d_params: Any                    # the chunk's, in the parameters' dtype
     d_edge: Any                      # the edge row's (head or embedding; zeros elsewhere)
-    loss: jax.Array
+    sums: Any                        # the head's (zeros but on the last virtual stage)
+    objective: jax.Array             # the head's objective (0 elsewhere): orders the F after
 
 
 def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
     """One B. A middle stage applies its stashed pullback; the last virtual stage runs its
-    chunk forward, the head and the loss, seeded with 1 (as an unpipelined microbatch is: the
-    mean's 1/(m * replicas) comes after, so values in the backward, FP8 gradient amaxes
-    included, do not depend on m); virtual stage 0 also differentiates the embedding."""
+    chunk forward and the head, whose objective it seeds with 1 (as an unpipelined microbatch
+    is: the step divides by the token count after, so values in the backward, FP8 gradient
+    amaxes included, do not depend on m); virtual stage 0 also differentiates the
+    embedding."""
     j, k = jnp.maximum(row["b_chunk"], 0), jnp.maximum(row["b_mb"], 0)
     params = _take(rk.chunks, j)
-    d_edge, loss = jax.tree.map(jnp.zeros_like, rk.edge), jnp.zeros((), jnp.float32)
+    d_edge, sums, objective = _zeros(rk.edge), rk.no_sums, jnp.zeros((), jnp.float32)
     if last:
         x_in = _first_input(fns, rk, k) if first else c.inbox[jnp.maximum(row["b_in"], 0)]
         caux = _take(rk.caux, k)
         y, pull = jax.vjp(lambda p_, h: fns.chunk(p_, h, caux), params, x_in)
-        loss, head_pull = jax.vjp(lambda e, y_: _head_loss(fns, rk, e, y_, k), rk.edge, y)
-        d_edge, dy = head_pull(jnp.ones_like(loss))
+        objective, head_pull, sums = jax.vjp(lambda e, y_: _head(fns, rk, e, y_, k), rk.edge,
+                                             y, has_aux=True)
+        d_edge, dy = head_pull(jnp.ones_like(objective))
         d_params, dx = pull(dy)
     else:
         slot = jnp.maximum(row["b_res"], 0)
         dy = c.cots[jnp.maximum(row["b_gslot"], 0)]
         d_params, dx = rk.program.backward(params, [buf[slot] for buf in c.stash], dy)
-    if first and fns.embed is not None:
+    if first:
         _, pull = jax.vjp(lambda e: fns.embed(e, _take(rk.x, k)).astype(dx.dtype), rk.edge)
         d_edge = _add(d_edge, pull(dx)[0])
-    return BOut(dx, d_params, d_edge, loss)
+    return BOut(dx, d_params, d_edge, sums, objective)
 
 
 def _b_idle(rk: Rank, c: Carry, row) -> BOut:
-    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-    return BOut(rk.fill_x, zeros(_take(rk.chunks, 0)), zeros(rk.edge),
+    return BOut(rk.fill_x, _zeros(_take(rk.chunks, 0)), _zeros(rk.edge), rk.no_sums,
                 jnp.zeros((), jnp.float32))
 
 
@@ -230,14 +235,13 @@ def _switch_f(fns: Fns, rk: Rank, c: Carry, row, backward: bool):
     index = jnp.where(j >= 0, 1 + first.astype(jnp.int32), 0)
 
     def idle(c, row):
-        return (rk.fill_x, tuple(jnp.zeros_like(buf[0]) for buf in c.stash),
-                jnp.zeros((), jnp.float32))
+        return rk.fill_x, tuple(jnp.zeros_like(buf[0]) for buf in c.stash), rk.no_sums
     branches = [idle] + [functools.partial(_f_op, fns, rk, from_input=f, backward=backward)
                          for f in (False, True)]
     with jax.named_scope(F_SCOPE):
-        y, saved, loss = lax.switch(index, branches, c, row)
+        y, saved, sums = lax.switch(index, branches, c, row)
     stash = tuple(_put(buf, row["f_res"], s) for buf, s in zip(c.stash, saved))
-    return c._replace(stash=stash, loss=c.loss + loss), y
+    return c._replace(stash=stash, sums=_add(c.sums, sums)), y
 
 
 def _switch_b(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row):
@@ -257,11 +261,8 @@ def _switch_b(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row):
     with jax.named_scope(B_SCOPE):
         out = lax.switch(index, branches, c, row)
     c = c._replace(d_chunk=combine.add_at(c.d_chunk, jnp.maximum(j, 0), out.d_params),
-                   d_edge=_add(c.d_edge, out.d_edge), loss=c.loss + out.loss)
-    if c.d_x is not None:   # virtual stage 0 without an embedding: the input's cotangent
-        k = jnp.where((j >= 0) & (first > 0), row["b_mb"], -1)
-        c = c._replace(d_x=_put(c.d_x, k, out.dx))
-    return c, out.dx
+                   d_edge=_add(c.d_edge, out.d_edge), sums=_add(c.sums, out.sums))
+    return c, out
 
 
 def _step(fns: Fns, rk: Rank, combine: GradCombine, backward: bool, cols, c: Carry, t):
@@ -271,12 +272,13 @@ def _step(fns: Fns, rk: Rank, combine: GradCombine, backward: bool, cols, c: Car
     c = c._replace(inbox=_put(c.inbox, row["recv_x"], c.recv_x))
     if backward:
         c = c._replace(cots=_put(c.cots, row["recv_g"], c.recv_g))
-        c, send_g = _switch_b(fns, rk, combine, c, row)
+        c, b_out = _switch_b(fns, rk, combine, c, row)
+        send_g = b_out.dx
         c = c._replace(held=c.held - (row["b_res"] >= 0))
         # The F's stash write must follow the B's read of the same buffers; nothing else
         # orders them (the F does not use the B's results), and XLA:CPU then copied every
         # stash buffer twice per step. An index offset XLA cannot prove zero orders them.
-        row = dict(row, f_res=row["f_res"] + _opaque_zero(c.loss))
+        row = dict(row, f_res=row["f_res"] + opaque_zeros(b_out.objective).astype(jnp.int32))
     c, send_x = _switch_f(fns, rk, c, row, backward)
     held = c.held + (row["f_res"] >= 0)
     c = c._replace(held=held, peak=jnp.maximum(c.peak, held), recv_x=lax.ppermute(
@@ -289,8 +291,9 @@ def _step(fns: Fns, rk: Rank, combine: GradCombine, backward: bool, cols, c: Car
 
 # ----------------------------------------------------------------------------- the loop
 def _check_shapes(fns: Fns, rk: Rank) -> None:
-    """The chunk must keep the activation's shape and dtype; the head must return a scalar.
-    With a backward the chunk program's output is read (the chunk is not traced again)."""
+    """The chunk must keep the activation's shape and dtype; the head's objective must be a
+    scalar. With a backward the chunk program's output is read (the chunk is not traced
+    again)."""
     act = rk.fill_x
     y = (rk.program.fwd.out_avals[0] if rk.program is not None else
          jax.eval_shape(fns.chunk, _take(rk.chunks, 0), act, _take(rk.caux, 0)))
@@ -298,70 +301,72 @@ def _check_shapes(fns: Fns, rk: Rank) -> None:
         raise PipelineError(f"chunk_fn maps x {act.dtype}{list(act.shape)} to {y.dtype}"
                             f"{list(y.shape)}; a chunk must return the shape and dtype it gets "
                             "(cast inside chunk_fn, or make embed_fn return that dtype)")
-    loss = jax.eval_shape(fns.head_loss, rk.edge, act, _take(rk.aux, 0))
-    if loss.shape != ():
-        raise PipelineError(f"head_loss_fn returned shape {loss.shape}; it must return a scalar "
-                            "(the microbatch's mean loss)")
+    objective = _head_shapes(fns, rk.edge, act, rk.aux)[0]
+    if objective.shape != ():
+        raise PipelineError(f"head_loss_fn returned an objective of shape {objective.shape}; "
+                            "it must return a scalar (the microbatch's summed loss) and its sums")
 
 
-def _init(rk: Rank, table, backward: bool, m: int, fill: float, with_dx: bool) -> Carry:
+def _head_shapes(fns: Fns, edge_row, act, aux):
+    out = jax.eval_shape(fns.head_loss, edge_row, act, _take(aux, 0))
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise PipelineError("head_loss_fn must return (objective, sums): the scalar the "
+                            "backward differentiates and a pytree of scalars to add up")
+    return out
+
+
+def _init(rk: Rank, table, backward: bool, fill: float) -> Carry:
     act = rk.fill_x
     slots = lambda counts: max(max(counts), 1)  # noqa: E731
     buf = lambda n: _full((n,) + act.shape, act.dtype, fill)  # noqa: E731
     zero = jnp.zeros((), jnp.int32)
-    stash, cots, recv_g, d_chunk, d_edge, d_x = (), None, None, None, None, None
+    stash, cots, recv_g, d_chunk, d_edge = (), None, None, None, None
     if backward:
         stash = tuple(_full((slots(table.stash_slots),) + a.shape, a.dtype, fill)
                       for a in rk.program.saved_avals)
         cots, recv_g = buf(slots(table.grad_slots)), rk.fill_x
         d_chunk, d_edge = _fp32_zeros(rk.chunks), _fp32_zeros(rk.edge)
-        d_x = buf(m) if with_dx else None
     return Carry(inbox=buf(slots(table.inbox_slots)), stash=stash, cots=cots,
-                 recv_x=rk.fill_x, recv_g=recv_g, loss=jnp.zeros((), jnp.float32),
-                 d_chunk=d_chunk, d_edge=d_edge, d_x=d_x, held=zero, peak=zero)
+                 recv_x=rk.fill_x, recv_g=recv_g, sums=rk.no_sums, d_chunk=d_chunk,
+                 d_edge=d_edge, held=zero, peak=zero)
 
 
 def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: GradCombine,
           manual: tuple, chunk_params, edge, x, aux, caux, cols):
     table = schedule.table if backward else schedule.forward_table
-    p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
+    p, v = schedule.stages, schedule.virtual_stages
     r = lax.axis_index(STAGE_AXIS)
     chunks, edge_row = _take(chunk_params, 0), _take(edge, 0)
-    if fns.embed is None:
-        act = x[0]
-    else:
-        act = jax.eval_shape(fns.embed, edge_row, _take(x, 0))
+    act = jax.eval_shape(fns.embed, edge_row, _take(x, 0))
     fill_x = _full(act.shape, act.dtype, fill)
-    rk = Rank(r, p, p * v, chunks, edge_row, x, aux, caux, fill_x, None)
+    no_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           _head_shapes(fns, edge_row, act, aux)[1])
+    rk = Rank(r, p, p * v, chunks, edge_row, x, aux, caux, fill_x, no_sums, None)
     if backward:
         rk = rk._replace(program=chunk_program(fns.chunk, _take(chunks, 0), fill_x,
                                                _take(caux, 0)))
     _check_shapes(fns, rk)
-    carry = _init(rk, table, backward, m, fill, fns.embed is None)
+    carry = _init(rk, table, backward, fill)
     step = functools.partial(_step, fns, rk, combine, backward, cols)
     c, _ = lax.scan(step, carry, jnp.arange(table.num_steps))
-    loss = lax.psum(c.loss, manual)
+    sums = lax.psum(c.sums, manual)
     if not backward:
-        return loss, c.peak[None]
+        return sums, c.peak[None]
     stack = lambda tree: jax.tree.map(lambda a: a[None, None], tree)  # noqa: E731
-    d_x = ()
-    if c.d_x is not None:  # only rank 0 (virtual stage 0) wrote it; the others hold fill
-        d_x = lax.psum(jnp.where(r == 0, c.d_x, jnp.zeros_like(c.d_x)), STAGE_AXIS)
-    return loss, stack(c.d_chunk), stack(c.d_edge), d_x, c.peak[None]
+    return sums, stack(c.d_chunk), stack(c.d_edge), c.peak[None]
 
 
 def execute(fns: Fns, chunk_params, edge, x, aux, caux, *, schedule: Schedule, mesh,
             backward: bool, fill: float = 0.0, combine: Optional[GradCombine] = None):
     """Run schedule.table (backward) or schedule.forward_table in one shard_map.
 
-    chunk_params and edge lead with [p] (sharded over `stage`); x, aux and caux with [m] (and
-    their batch dim 1 splits over `data`). Sums, never means (the caller divides): forward
-    only: (loss sum, peak[p]), the head's losses summed over microbatches and data replicas.
-    Training: (loss sum, d_chunk, d_edge, d_x, peak[p]): d_chunk [replicas, p, v, ...] and
-    d_edge [replicas, p, ...] are fp32 sums over the microbatches of each data replica
-    (reduce dim 0 with `combine.reduce`); d_x (without an embedding) is the loss sum's input
-    cotangent, or () with one; peak counts the stash slots each rank held at once, measured
-    in the loop.
+    chunk_params and edge lead with [p] (sharded over `stage`); x (the embedding's inputs),
+    aux and caux with [m] (and their batch dim 1 splits over `data`). Sums, never means (the
+    caller divides): forward only: (sums, peak[p]), the head's sums over microbatches and data
+    replicas. Training: (sums, d_chunk, d_edge, peak[p]): d_chunk [replicas, p, v, ...] and
+    d_edge [replicas, p, ...] are fp32 sums over the microbatches of each data replica of the
+    objectives' gradients (reduce dim 0 with `combine.reduce`); peak counts the stash slots
+    each rank held at once, measured in the loop.
     """
     manual = manual_axes(mesh)
     has_data = DATA_AXIS in manual
@@ -371,8 +376,7 @@ def execute(fns: Fns, chunk_params, edge, x, aux, caux, *, schedule: Schedule, m
     out_specs = (P(), P(STAGE_AXIS))
     if backward:
         stacked = P(DATA_AXIS if has_data else None, STAGE_AXIS)
-        d_x_spec = batch_spec(x, has_data) if fns.embed is None else P()
-        out_specs = (P(), stacked, stacked, d_x_spec, P(STAGE_AXIS))
+        out_specs = (P(), stacked, stacked, P(STAGE_AXIS))
     body = functools.partial(_body, fns, schedule, backward, fill, combine or SUM, manual)
     return jax.shard_map(
         body, mesh=mesh, axis_names=set(manual),

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from jaxtrain import compat
 from jaxtrain.config import ConfigError, RematConfig
-from jaxtrain.model.llama import REMAT_TAGS
+from jaxtrain.model.llama import REMAT_TAGS, scan_layers
 
 # remat.modules -> the tags it stops saving: Megatron's --recompute-modules names first, then
 # our finer tags (see the module docstring for why core_attn drops none).
@@ -241,11 +241,6 @@ def selective_policy(r: RematConfig):
 
 # ----------------------------------------------------------------------------- layer runners
 
-def _scan(fn, x, stacked):
-    x, _ = jax.lax.scan(lambda c, s: (fn(s, c), None), x, stacked)
-    return x
-
-
 def _checkpoint(fn, policy):
     # Every checkpoint here wraps a scan body (or is fenced, below), so XLA cannot CSE the
     # recompute with the forward pass; the barriers prevent_cse adds would only hinder fusion
@@ -253,9 +248,10 @@ def _checkpoint(fn, policy):
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
-def _opaque_zero_BS(ct_BSD):
-    """Zeros shaped [B, S] that XLA cannot prove are zero, computed from the cotangent."""
-    z = jnp.minimum(jnp.abs(ct_BSD), 0).min(axis=tuple(range(2, ct_BSD.ndim)))
+def opaque_zeros(x, keep: int = 0):
+    """Zeros shaped like x's first `keep` dims that XLA cannot prove are zero: computed from
+    x, so whatever takes them waits for x (a fence that changes no value; NaN in x gives 0)."""
+    z = jnp.minimum(jnp.abs(x), 0).min(axis=tuple(range(keep, x.ndim)))
     return jnp.where(jnp.isnan(z), 0, z)
 
 
@@ -277,7 +273,7 @@ def _fenced(ckpt_fn):
         return jax.vjp(ckpt_fn, s, x_BSD)
 
     def bwd(vjp, ct_BSD):
-        zero_BS = _opaque_zero_BS(ct_BSD)
+        zero_BS = opaque_zeros(ct_BSD, keep=2)
 
         def fence(r):
             # Saved activations lead with [B, S]; parameters do not and are left alone.
@@ -294,7 +290,7 @@ def _scan_checkpointed(fn, policy, x, stacked):
     """scan(checkpoint(fn)) over the leading dim of `stacked`, fenced when it has length 1."""
     if jax.tree.leaves(stacked)[0].shape[0] == 1:
         return _fenced(_checkpoint(fn, policy))(jax.tree.map(lambda a: a[0], stacked), x)
-    return _scan(_checkpoint(fn, policy), x, stacked)
+    return scan_layers(_checkpoint(fn, policy), x, stacked)
 
 
 def _take(stacked, start, stop):
@@ -315,7 +311,7 @@ def layer_runner(r: RematConfig) -> Callable:
         policy = policy_from_name(r.policy)
         return lambda fn, x, st: _scan_checkpointed(fn, policy, x, st)
     if r.granularity == "none":
-        return _scan
+        return scan_layers
     if r.granularity == "selective":
         policy = selective_policy(r)
         return lambda fn, x, st: _scan_checkpointed(fn, policy, x, st)
@@ -330,7 +326,8 @@ def layer_runner(r: RematConfig) -> Callable:
             # [L, ...] -> [L/n, n, ...]: the outer scan checkpoints a group of n layers, so only
             # every n-th layer input is stored and the backward recomputes a group at a time.
             grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), stacked)
-            return _scan_checkpointed(lambda group, c: _scan(fn, c, group), nothing, x, grouped)
+            return _scan_checkpointed(lambda group, c: scan_layers(fn, c, group), nothing, x,
+                                      grouped)
         return run_uniform
 
     def run_block(fn, x, stacked):
@@ -338,7 +335,7 @@ def layer_runner(r: RematConfig) -> Callable:
         # chunk's layer parameters, small next to the activations block saves).
         total = jax.tree.leaves(stacked)[0].shape[0]
         x = _scan_checkpointed(fn, nothing, x, _take(stacked, 0, n))
-        return _scan(fn, x, _take(stacked, n, total)) if n < total else x
+        return scan_layers(fn, x, _take(stacked, n, total)) if n < total else x
     return run_block
 
 

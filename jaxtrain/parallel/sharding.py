@@ -1,6 +1,8 @@
 """The device mesh, the one logical->mesh rules table, and the shardings derived from it.
 
-Only this module knows mesh axes. The model names logical axes (docs/design.md §3); the table below
+Only this module maps logical axes to mesh axes (the kernels' shard_map wrappers,
+sharded_kernels.py, ask it through `mesh_axes_for`; the notebook's table is
+sharding_report.py). The model names logical axes (docs/design.md §3); the table below
 says where each lives, once for parameters and once for activations. All mesh axes are `Auto`
 (GSPMD propagation between the constraints we place), chosen on purpose: jax 0.10's
 `make_mesh` would otherwise default to Explicit.
@@ -9,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import Iterable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -20,10 +21,6 @@ from jaxtrain import compat
 from jaxtrain.parallel.mesh_axes import CONTEXT, DATA, FSDP, MESH_AXES, REPLICA_AXES
 from jaxtrain.config import Config, ParallelConfig
 from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
-
-if TYPE_CHECKING:
-    from jaxtrain.parallel import context_attention
-
 
 # logical axis -> (mesh axes for parameters, mesh axes for activations)
 RULES: dict[str, tuple] = {
@@ -67,7 +64,15 @@ def validate_layout(cfg: Config, n_devices: int) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- specs
 
-def _mesh_axes_for(name, column, mesh, dim):
+def flat_axes(axes) -> tuple:
+    """A spec entry (None, one axis name or a tuple of them) as a tuple of axis names."""
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def mesh_axes_for(name, column, mesh, dim):
+    """The mesh axes (one name, a tuple, or None) that logical axis `name` maps to for a dim of
+    size `dim`: column 0 for parameters, 1 for activations. Axes of size 1, the context mesh's
+    manual axes and splits that do not divide `dim` are left out."""
     if name is None:
         return None
     if name not in RULES:
@@ -75,7 +80,7 @@ def _mesh_axes_for(name, column, mesh, dim):
     axes = RULES[name][column]
     if axes is None:
         return None
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = flat_axes(axes)
     manual = set(mesh.manual_axes)  # inside a shard_map: those are the caller's, not ours
     axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
     if not axes or dim % math.prod(mesh.shape[a] for a in axes):
@@ -90,8 +95,8 @@ def logical_to_spec(names: Iterable, shape, mesh: Mesh, *, params: bool, overrid
         if overrides and name in overrides:
             axes = overrides[name]
         else:
-            axes = _mesh_axes_for(name, column, mesh, dim)
-        flat = (axes,) if isinstance(axes, str) else (axes or ())
+            axes = mesh_axes_for(name, column, mesh, dim)
+        flat = flat_axes(axes)
         if any(a in used for a in flat):
             axes = None
         used.update(flat)
@@ -123,7 +128,7 @@ def add_data_axis(spec: P, shape, mesh: Mesh) -> P:
         return spec
     parts = list(spec) + [None] * (len(shape) - len(spec))
     for i, (axes, dim) in enumerate(zip(parts, shape)):
-        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        flat = flat_axes(axes)
         if dim % (n * math.prod(mesh.shape[a] for a in flat)) == 0:
             # the group minor: each compute shard (say tensor block i) is then the contiguous
             # run of its sub-blocks, so gathering over the group needs no device permutation.
@@ -164,8 +169,7 @@ def constrain(x, named_sharding: NamedSharding):
     manual = set(mesh.manual_axes)
     parts = []
     for axes in named_sharding.spec:
-        flat = tuple(a for a in ((axes,) if isinstance(axes, str) else (axes or ()))
-                     if a not in manual)
+        flat = tuple(a for a in flat_axes(axes) if a not in manual)
         parts.append(flat[0] if len(flat) == 1 else (flat or None))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*parts)))
 
@@ -212,7 +216,7 @@ def _uses_tensor(name) -> bool:
 def _drop_if_indivisible(spec, shape, mesh):
     parts = []
     for axes, dim in zip(spec, shape):
-        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        flat = flat_axes(axes)
         parts.append(axes if not flat or dim % math.prod(mesh.shape[a] for a in flat) == 0 else None)
     return P(*parts)
 
@@ -241,172 +245,3 @@ def replica_rows_spec(mesh: Mesh) -> P:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Where a global [B, S] batch lives: rows over (data, fsdp), the sequence over context."""
     return NamedSharding(mesh, batch_spec(mesh))
-
-
-# ----------------------------------------------------------------------------- inspection
-
-def describe(logical_tree, shape_tree, mesh: Mesh, spec_tree=None) -> str:
-    """A table of every parameter: path, shape, logical axes, PartitionSpec, bytes per device,
-    replication factor (how many devices hold each byte)."""
-    spec_tree = spec_tree if spec_tree is not None else param_specs(logical_tree, shape_tree, mesh)
-    flat_names = jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=lambda x: isinstance(x, P))[0]
-    flat_shapes = jax.tree.leaves(shape_tree)
-    flat_specs = jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P))
-    rows = [("path", "shape", "logical axes", "spec", "bytes/device", "replicated")]
-    total = 0
-    for (path, names), x, spec in zip(flat_names, flat_shapes, flat_specs):
-        shard_factor = math.prod(mesh.shape[a] for axes in spec
-                                 for a in ((axes,) if isinstance(axes, str) else (axes or ())))
-        per_device = math.prod(x.shape) * np.dtype(x.dtype).itemsize // shard_factor
-        total += per_device
-        rows.append(("/".join(str(getattr(k, "key", k)) for k in path),
-                     "x".join(map(str, x.shape)) or "()",
-                     ",".join(str(n) for n in names), str(spec), f"{per_device:,}",
-                     str(mesh.size // shard_factor)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    mesh_txt = " ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
-    lines.append(f"total parameter bytes per device: {total:,} (mesh {mesh_txt})")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- kernels
-
-@dataclasses.dataclass(frozen=True)
-class ShardedAttention:
-    """An attention kernel (opaque to GSPMD) run per shard with jax.shard_map: batch and heads
-    split where the rules table puts them (`batch`, `heads`, `kv_heads` activations) over the
-    context mesh's automatic axes — so it runs the same in the train step, inside the
-    pipeline's shard_map and on compile-only devices. When KV heads are fewer than the head
-    shards, K/V stay whole and each shard slices the KV heads its query heads read (before
-    anything moves over `context`). With `context` > 1 the sequence is split too and each
-    shard runs `context` plan's strategy (context_attention.py) on the core, with its
-    tokens' global positions. Hashable by value (nnx keeps it in the graph definition
-    through `Ops`)."""
-    kernel: Callable
-    mesh: Mesh
-    context: Optional["context_attention.ContextPlan"] = None
-
-    def __call__(self, q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
-        from jaxtrain.parallel import context_attention
-        from jaxtrain.model.attention import local_kv_heads
-        mesh = context_mesh(self.mesh)
-        b, s, n_heads, _ = q_BSHE.shape
-        batch = _mesh_axes_for("batch", 1, mesh, b)
-        heads = _mesh_axes_for("heads", 1, mesh, n_heads)
-        kv_heads = _mesh_axes_for("kv_heads", 1, mesh, k_BSKE.shape[2]) if heads else None
-        kv_heads = kv_heads if kv_heads == heads else None
-        head_shards = math.prod(mesh.shape[a] for a in _flat(heads))
-        # The sequence is split over `context` here (seq), or the caller's shard_map holds
-        # `context` manual and q.. are already its rank's part (the train step's per_replica).
-        seq = _mesh_axes_for("sequence", 1, mesh, s) if self.context else None
-        outer = bool(self.context) and "context" in mesh.manual_axes
-        c = mesh.shape["context"] if seq or outer else 1
-        if self.context and mesh.shape["context"] > 1 and c == 1:
-            raise context_attention.ContextAttentionError(
-                f"a sequence of {s} tokens does not split over context={mesh.shape['context']}"
-                "; use a length divisible by it (2x it under causal load balancing)")
-        q_spec, kv_spec = P(batch, seq, heads, None), P(batch, seq, kv_heads, None)
-        args = [q_BSHE, k_BSKE, v_BSKE, segment_ids_BS]
-        if c > 1:  # each token's global position, split like the sequence
-            order_CS = self.context.positions(s * (c if outer else 1), c).reshape(c, -1)
-            args.append(jnp.asarray(order_CS if outer else order_CS.reshape(-1)))
-
-        def per_shard(q, k, v, seg, *pos):
-            if heads and not kv_heads:
-                k, v = local_kv_heads(k, v, n_heads, head_shards, jax.lax.axis_index(heads))
-            if c == 1:
-                return self.kernel(q, k, v, seg)
-            pos_S = pos[0][jax.lax.axis_index("context")] if outer else pos[0]
-            return context_attention.attend(self.kernel, self.context, c, q, k, v, seg, seg,
-                                            pos_S, pos_S)
-
-        # check_vma=False: a pallas_call carries no varying-axes types for the checker (and
-        # jax 0.10's Pallas interpreter cannot type its loops). The specs are exact, and
-        # autodiff still sums replicated K/V's cotangents over `tensor`.
-        inner = {a for a in mesh.axis_names if a not in set(mesh.manual_axes)}
-        in_specs = (q_spec, kv_spec, kv_spec, P(batch, seq)) + ((P(seq),) if c > 1 else ())
-        return jax.shard_map(per_shard, mesh=mesh, axis_names=inner, in_specs=in_specs,
-                             out_specs=q_spec, check_vma=False)(*args)
-
-
-def _flat(axes) -> tuple:
-    return (axes,) if isinstance(axes, str) else tuple(axes or ())
-
-
-def shard_attention(core: Callable, mesh: Mesh | None,
-                    context: Optional["context_attention.ContextPlan"] = None) -> Callable:
-    """`ops.attention` on `mesh`: an opaque kernel per shard (ShardedAttention); the xla core
-    as it is (GSPMD partitions it like the rest of the model). With `context` > 1 every core
-    runs per shard with `context`'s strategy (default: all_gather, load-balanced); a core
-    that lacks the strategy fails here, before anything compiles."""
-    from jaxtrain.parallel import context_attention
-    from jaxtrain.model.attention import is_kernel
-    if mesh is not None and mesh.shape.get("context", 1) > 1:
-        context = context or context_attention.ContextPlan()
-        context_attention.check_supported(core, context.strategy)
-        return ShardedAttention(core, mesh, context)
-    if mesh is None or mesh.size == 1 or not is_kernel(core):
-        return core
-    return ShardedAttention(core, mesh)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedLookup:
-    """The embedding lookup that never gathers the table (Megatron's vocab-parallel embedding,
-    MaxText's): each device looks up, in its own [V/t, D/f] block of the table (vocab over
-    `tensor`, embed over `fsdp`, as the parameter is stored), the tokens of every row its fsdp
-    group holds — gathering only their ids — sums the vocab shards' parts over `tensor`
-    (reduce-scattered over the sequence under SP), and trades its D-slice of all rows for all
-    of D of its own rows (one all-to-all). The backward runs the transposes: an all-to-all of
-    the cotangent and a local scatter-add, so the table's gradient needs no reduction over
-    fsdp. Per microbatch: token ids and two activation-sized all-to-alls, where gathering the
-    table moves V·D (128256 x 4096 bf16: 1 GB) each way."""
-    mesh: Mesh
-    sequence_parallel: bool = False
-
-    def __call__(self, table_VD, tokens_BS):
-        mesh = context_mesh(self.mesh)
-        (V, D), (B, S) = table_VD.shape, tokens_BS.shape
-        vocab = _flat(_mesh_axes_for("vocab", 0, mesh, V))
-        embed = _flat(_mesh_axes_for("embed", 0, mesh, D))
-        batch = _flat(_mesh_axes_for("batch", 1, mesh, B))
-        context = _flat(_mesh_axes_for("length", 1, mesh, S))   # context parallelism
-        c = math.prod(mesh.shape[a] for a in context)
-        seq = ("tensor",) if (self.sequence_parallel and vocab == ("tensor",)
-                              and (S // c) % mesh.shape["tensor"] == 0) else ()
-        if not vocab and not embed and not context:
-            return jnp.take(table_VD, tokens_BS, axis=0)
-        trade = bool(embed) and embed == batch      # all-to-all rows for D, else gather D
-        v_shard = V // math.prod(mesh.shape[a] for a in vocab)
-
-        def per_shard(table, ids):
-            if embed and batch:
-                ids = jax.lax.all_gather(ids, batch, axis=0, tiled=True)
-            if vocab:
-                local = ids - jax.lax.axis_index(vocab) * v_shard
-                inside = (local >= 0) & (local < v_shard)
-                x = jnp.where(inside[..., None],
-                              jnp.take(table, jnp.clip(local, 0, v_shard - 1), axis=0), 0)
-                x = (jax.lax.psum_scatter(x, vocab, scatter_dimension=1, tiled=True) if seq
-                     else jax.lax.psum(x, vocab))
-            else:
-                x = jnp.take(table, ids, axis=0)
-            if trade:
-                return jax.lax.all_to_all(x, embed, 0, 2, tiled=True)
-            if embed:
-                x = jax.lax.all_gather(x, embed, axis=2, tiled=True)
-            if batch:  # back to this device's rows
-                n = math.prod(mesh.shape[a] for a in batch)
-                x = x.reshape(n, -1, *x.shape[1:])[jax.lax.axis_index(batch)]
-            return x
-
-        inner = {a for a in mesh.axis_names if a not in set(mesh.manual_axes)}
-        spec = lambda axes: axes[0] if len(axes) == 1 else (axes or None)  # noqa: E731
-        # Each context rank looks up its own part of the sequence (split further over tensor
-        # under SP: tensor is minor to context).
-        return jax.shard_map(
-            per_shard, mesh=mesh, axis_names=inner,
-            in_specs=(P(spec(vocab), spec(embed)), P(spec(batch), spec(context))),
-            out_specs=P(spec(batch), spec(context + seq), None))(table_VD, tokens_BS)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import step
+from jaxtrain.executors import setup as setup_lib
 from jaxtrain.parallel import sharding
 from jaxtrain.config import Config
 
@@ -24,7 +25,7 @@ CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 @dataclasses.dataclass
 class CompiledStep:
-    setup: step.Setup
+    setup: setup_lib.Setup
     compiled: Any            # jax.stages.Compiled
     text: str                # its optimized HLO
     lower_s: float
@@ -44,7 +45,7 @@ def abstract_batch(cfg: Config, mesh) -> dict:
     sh = sharding.batch_sharding(mesh)
     shape = (cfg.train.global_batch, cfg.train.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                    sharding=sh) for k in step.BATCH_KEYS}
+                                    sharding=sh) for k in setup_lib.BATCH_KEYS}
 
 
 def compiler_options(mesh, extra: dict | None = None) -> dict:
@@ -54,9 +55,9 @@ def compiler_options(mesh, extra: dict | None = None) -> dict:
 
 
 def compile_step(cfg: Config, mesh, *, extra_options: dict | None = None,
-                 setup: step.Setup | None = None) -> CompiledStep:
+                 setup: setup_lib.Setup | None = None) -> CompiledStep:
     """Lower and compile `cfg`'s train step (pipelined when stage > 1) on `mesh`."""
-    setup = setup or step.build(cfg, mesh)
+    setup = setup or setup_lib.build(cfg, mesh)
     t0 = time.perf_counter()
     lowered = step.make_train_step(setup).lower(setup.abstract_train_state,
                                                 abstract_batch(cfg, mesh))

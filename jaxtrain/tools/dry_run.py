@@ -6,7 +6,7 @@ next to what the ledger predicts for the same layout.
 The layout compiled is the configured one when the present devices can run it, else scaled to
 them, every change reported with its reason (jaxtrain.tools.device_plan: how, and for which
 device count the ledger's plan printed first is made). With stage > 1 the compiled step is the
-real pipelined one (step.loss_and_grads dispatches to pipeline_model: the lock-step shard_map
+real pipelined one (the step dispatches to executors/pipeline.py: the lock-step shard_map
 executor). The report's text and JSON are written by jaxtrain.tools.dry_run_report.
 
 What is compared, per device (fake CPU devices report memory_analysis() per device), against
@@ -33,10 +33,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger import Estimate, Executor, Gpu, Layout, LayoutError, estimate, get_gpu
 from jaxtrain.ledger.layout import layout_from_config
-from jaxtrain.ledger.memory import layer_params_local, padded_vocab, workspace_bytes
+from jaxtrain.ledger.memory import layer_params_local, workspace_bytes
 from jaxtrain.tools.device_plan import Planned, plan_devices, scale_to_devices
 
 if TYPE_CHECKING:

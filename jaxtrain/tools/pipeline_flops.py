@@ -106,6 +106,6 @@ def executed_matmul_flops(text: str, columns: dict, stages: int,
 def for_step(text: str, ex) -> ExecutedFlops:
     """executed_matmul_flops of a compiled train step whose schedule is the ledger's
     Executor `ex` (its table is rebuilt from the schedule)."""
-    from jaxtrain.parallel.pipeline_schedule import build_schedule
+    from jaxtrain.ledger.pipeline_schedule import build_schedule
     table = build_schedule(ex.schedule, ex.stages, ex.microbatches, ex.virtual_stages).table
     return executed_matmul_flops(text, table.columns, ex.stages, ex.virtual_stages)

@@ -4,11 +4,11 @@ A schedule says, for each pipeline rank, in which order it runs forward (F) and 
 ops on (virtual stage, microbatch) pairs. Rank r owns virtual stages g = j*p + r (j < v), so
 an activation always moves one rank to the right and a cotangent one rank to the left.
 
-The executor (jaxtrain.parallel.pipeline) is one SPMD program: every rank advances one step at a time,
-so each order is simulated here, in Python, into a table of steps. A step holds at most one F
-and one B per rank ("fused" steps, like JaxPP's fuse_steady_state): in the steady state every
-rank does F+B together, which keeps lock-step from inflating the bubble when B costs more than
-F. Values in flight (activations waiting for their F, what an F saved for its B, cotangents
+The executor (jaxtrain.parallel.pipeline_executor) is one SPMD program: every rank advances one
+step at a time, so each order is simulated here, in Python, into a table of steps (numpy only:
+the ledger prices the same tables). A step holds at most one F and one B per rank ("fused"
+steps, like JaxPP's fuse_steady_state): in the steady state every rank does F+B together,
+which keeps lock-step from inflating the bubble when B costs more than F. Values in flight (activations waiting for their F, what an F saved for its B, cotangents
 waiting for their B) get static buffer slots by interval colouring, so the executor's memory is
 a number known before compiling, and for 1F1B it does not grow with the number of microbatches.
 """

@@ -1,0 +1,45 @@
+"""What both executors return for one global batch, and the step's one normalisation of it.
+
+An executor runs every microbatch of a global batch (replica.py: a scan per data replica;
+pipeline.py: the lock-step schedule) and returns `Sums`: the model's loss as sums
+(model/loss.py's LossSums: summed token loss, token count and the auxiliary metrics' sums),
+the fp32 sums of the objective's gradients w.r.t. the compute params, and the FP8 metas'
+observations, combined by the converter's rule ({} without FP8). Sums over microbatches,
+stages and replicas, never means: `normalise` divides once, by the token count, so both
+executors give the same step up to float rounding, whatever the split.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.model.loss import LossSums
+
+
+class Sums(NamedTuple):
+    losses: LossSums   # loss, tokens and aux, summed
+    grads: Any         # fp32 gradient sums of the objective, in the compute params' layout
+    fp8: Any           # FP8 observations (the converter's to turn into the next metas)
+
+
+class Normalised(NamedTuple):
+    """A step's means: what the optimizer and the logs take."""
+    loss: jax.Array    # mean token loss
+    tokens: jax.Array  # tokens counted
+    grads: Any         # gradients of the mean loss (fp32, where `shardings` put them)
+    fp8: Any           # the FP8 observations, as the executor combined them
+    metrics: dict      # name -> value of every auxiliary Mean
+
+
+def normalise(sums: Sums, shardings) -> Normalised:
+    """The one normalisation of a step: loss and gradients divided by the token count (at
+    least 1: a batch of padding gives zeros, not NaN), each auxiliary metric by its own count;
+    the gradients placed where `shardings` put them (the master params')."""
+    losses = sums.losses
+    total = jnp.maximum(losses.tokens, 1.0)
+    grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(g / total, sh),
+                         sums.grads, shardings)
+    metrics = {name: mean.value for name, mean in losses.aux.items()}
+    return Normalised(losses.loss / total, losses.tokens, grads, sums.fp8, metrics)
