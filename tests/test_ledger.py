@@ -107,13 +107,14 @@ def test_bytes_per_param():
     assert ledger.bytes_per_param() == 18
     assert ledger.bytes_per_param(grad_bf16=True) == 16
     held = ledger.held_bytes_per_param(ledger.Layout(data=8, zero1=True))
-    assert held == {"param": 2, "grad": 4, "optimizer": 12 / 8}
+    assert held == {"weights": 2, "gradients": 0, "accumulator": 4, "master": 4 / 8,
+                    "moments": 8 / 8}
     # FSDP shards what the step holds: fp32 gradients (the step accumulates them in fp32, not
     # Megatron-FSDP's bf16), and one microbatch's bf16 gradient more when microbatches add up
     held = ledger.held_bytes_per_param(ledger.Layout(fsdp=8))
     assert sum(held.values()) == 18 / 8
     held = ledger.held_bytes_per_param(ledger.Layout(fsdp=8, microbatches=4))
-    assert held["grad"] == 6 / 8
+    assert held["gradients"] + held["accumulator"] == 6 / 8
 
 
 def _cfg_8b(**parallel):
