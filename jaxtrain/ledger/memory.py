@@ -1,8 +1,9 @@
 """Theoretical memory per device: static state, in-flight activations, workspace reserve.
 
 Conventions (docs/design.md §5):
-- Static, by term (STATIC_TERMS): weights (bf16 copy) 2 + gradients (one microbatch's bf16
-  gradient when microbatches accumulate unpipelined: 2) + fp32 accumulator 4 + fp32 master 4
+- Static, by term (STATIC_TERMS): weights (bf16 copy) 2 + gradients (unpipelined: one layer's
+  bf16 gradient, added into the accumulator as the backward makes it; pipelined: the B's
+  chunk gradient) + fp32 accumulator 4 + fp32 master 4
   + Adam moments 8 bytes per parameter held, the FP8 metas, other (FSDP's gathered layers,
   the pipeline's chunk slices); ZeRO-1 divides the 12 optimizer bytes by data (x context),
   FSDP divides all of them by the fsdp degree (plus two gathered layers in flight).
@@ -64,18 +65,17 @@ STATIC_TERMS = ("weights", "gradients", "accumulator", "master", "moments", "fp8
 def held_bytes_per_param(layout: Layout) -> dict[str, float]:
     """Bytes per (TP/PP-local) parameter that one device holds, by static term, as jaxtrain's
     step holds them (the GPU compiler's buffer assignment, tests/gpu): the compute-dtype copy
-    (weights 2), the fp32 gradient accumulator (4) and, when microbatches accumulate without
-    pipeline stages, one microbatch's compute-dtype gradient before it is added (gradients 2:
-    the layer scan's backward returns every layer's at once), the fp32 master (4) and Adam's
-    moments (8), those two divided by the data-parallel group under ZeRO-1; FSDP shards all of
-    them. (Megatron fuses the weight-gradient GEMMs into its fp32 main_grad and holds no
-    gradient buffer; FSDP codes that reduce in bf16 hold 2.)"""
+    (weights 2), the fp32 gradient accumulator (4), the fp32 master (4) and Adam's moments (8),
+    those two divided by the data-parallel group under ZeRO-1; FSDP shards all of them. No
+    compute-dtype gradient of the whole stack: the unpipelined step adds each layer's into the
+    accumulator as its backward makes it (parallel/grad_accumulation.py, Megatron's
+    gradient_accumulation_fusion), leaving one layer's (`static_bytes`); the pipeline's B
+    still makes its chunk's (`pipeline_static_bytes`)."""
     f = layout.fsdp
-    grad = 2 if layout.microbatches > 1 and layout.stage == 1 else 0
     # Megatron's distributed optimizer shards over the data-parallel group, which includes the
     # context ranks (parameters are replicated over both).
     zero = layout.data * layout.context if layout.zero1 else 1
-    return {"weights": 2 / f, "gradients": grad / f, "accumulator": 4 / f,
+    return {"weights": 2 / f, "gradients": 0.0, "accumulator": 4 / f,
             "master": 4 / (f * zero), "moments": 8 / (f * zero)}
 
 
@@ -137,6 +137,9 @@ def static_bytes(cfg: Config, layout: Layout, n_local: float,
     per = held_bytes_per_param(layout)
     n_state = n_local if n_state is None else n_state
     out = {k: (n_state if k in ("master", "moments") else n_local) * v for k, v in per.items()}
+    if layout.stage == 1:   # one layer's compute-dtype gradient on its way into the accumulator
+        out["gradients"] = (layer_params_local(cfg, layout.tensor) * _compute_bytes(cfg)
+                            / layout.fsdp)
     out["fp8_meta"] = fp8_meta_bytes(cfg)
     # FSDP all-gathers a layer's bf16 weights before use; two layers in flight for prefetch.
     out["other"] = (2 * 2 * layer_params_local(cfg, layout.tensor) if layout.fsdp > 1
