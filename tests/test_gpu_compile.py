@@ -259,6 +259,11 @@ def test_dry_run_for_h100_reports_the_gpu_program_as_text_and_json(capsys, h100)
     assert any(o["axes"] == ["fsdp"] and o["wire_bytes"] > 0 for o in gpu["overlap"])
     assert gpu["xla_options"]["xla_gpu_enable_pipelined_all_gather"] is True
     assert report["compiled"]["memory"]["total_bytes"] > 0
+    # static state per term: the H100 program's state arguments against the ledger's
+    ledger_terms, compiled_terms = report["ledger"]["static_terms"], report["compiled"][
+        "state_terms"]
+    for term in ("master", "moments"):
+        assert compiled_terms[term] == pytest.approx(ledger_terms[term], rel=0.01), term
 
 
 def test_a_layout_that_does_not_fit_is_compiled_and_says_by_how_much(capsys, h100):

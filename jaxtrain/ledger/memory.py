@@ -2,8 +2,9 @@
 
 Conventions (docs/design.md §5):
 - Static, by term (STATIC_TERMS): weights (bf16 copy) 2 + gradients (unpipelined: one layer's
-  bf16 gradient, added into the accumulator as the backward makes it; pipelined: the B's
-  chunk gradient) + fp32 accumulator 4 + fp32 master 4
+  bf16 gradient, added into the accumulator as the backward makes it, or under context
+  parallelism and MoE the stack's 2 when microbatches add up; pipelined: the B's chunk
+  gradient) + fp32 accumulator 4 + fp32 master 4
   + Adam moments 8 bytes per parameter held, the FP8 metas, other (FSDP's gathered layers,
   the pipeline's chunk slices); ZeRO-1 divides the 12 optimizer bytes by data (x context),
   FSDP divides all of them by the fsdp degree (plus two gathered layers in flight).
@@ -69,8 +70,9 @@ def held_bytes_per_param(layout: Layout) -> dict[str, float]:
     those two divided by the data-parallel group under ZeRO-1; FSDP shards all of them. No
     compute-dtype gradient of the whole stack: the unpipelined step adds each layer's into the
     accumulator as its backward makes it (parallel/grad_accumulation.py, Megatron's
-    gradient_accumulation_fusion), leaving one layer's (`static_bytes`); the pipeline's B
-    still makes its chunk's (`pipeline_static_bytes`)."""
+    gradient_accumulation_fusion), leaving one layer's (`static_bytes`; not under context
+    parallelism: executors/replica.fuses); the pipeline's B still makes its chunk's
+    (`pipeline_static_bytes`)."""
     f = layout.fsdp
     # Megatron's distributed optimizer shards over the data-parallel group, which includes the
     # context ranks (parameters are replicated over both).
@@ -137,9 +139,13 @@ def static_bytes(cfg: Config, layout: Layout, n_local: float,
     per = held_bytes_per_param(layout)
     n_state = n_local if n_state is None else n_state
     out = {k: (n_state if k in ("master", "moments") else n_local) * v for k, v in per.items()}
-    if layout.stage == 1:   # one layer's compute-dtype gradient on its way into the accumulator
-        out["gradients"] = (layer_params_local(cfg, layout.tensor) * _compute_bytes(cfg)
-                            / layout.fsdp)
+    if layout.stage == 1:
+        # fused (executors/replica.fuses): one layer's compute-dtype gradient on its way into
+        # the accumulator; else, with microbatches to add up, the stack's
+        fused = layout.context == 1 and not any(cfg.model.moe_layers)
+        grad_params = (layer_params_local(cfg, layout.tensor) if fused
+                       else n_local if layout.microbatches > 1 else 0.0)
+        out["gradients"] = grad_params * _compute_bytes(cfg) / layout.fsdp
     out["fp8_meta"] = fp8_meta_bytes(cfg)
     # FSDP all-gathers a layer's bf16 weights before use; two layers in flight for prefetch.
     out["other"] = (2 * 2 * layer_params_local(cfg, layout.tensor) if layout.fsdp > 1

@@ -30,26 +30,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["tap", "seed", "into", "accumulating"]
+__all__ = ["seed", "into", "accumulating"]
 
 _ACTIVE = threading.local()
-
-
-@jax.custom_vjp
-def tap(params, acc):
-    """`params`; backward: the cotangent of `acc` is acc + the params' gradient (fp32)."""
-    return params
-
-
-def _tap_fwd(params, acc):
-    return params, acc
-
-
-def _tap_bwd(acc, g):
-    return None, jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g)
-
-
-tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 @jax.custom_vjp
