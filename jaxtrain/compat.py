@@ -69,6 +69,45 @@ def triton_compiler_params(num_warps: int, num_stages: int):
     return cls(num_warps=num_warps, num_stages=num_stages)
 
 
+# The Mosaic GPU (Pallas, Hopper) spellings the flash kernels use: `mosaic_gpu()` checks them
+# all, so a release that renames one fails in tests/test_compat.py, not inside a kernel.
+MOSAIC_GPU_NAMES = ("kernel", "CompilerParams", "LoweringSemantics", "SMEM", "Barrier",
+                    "TilingTransform", "SwizzleTransform", "ACC", "wgmma", "transpose_ref",
+                    "copy_gmem_to_smem", "copy_smem_to_gmem", "wait_smem_to_gmem",
+                    "commit_smem", "barrier_wait", "barrier_arrive", "set_max_registers")
+
+
+def mosaic_gpu():
+    """jax.experimental.pallas.mosaic_gpu (Pallas's Hopper backend: TMA, wgmma, warpgroups)
+    when this jax has every name in MOSAIC_GPU_NAMES, else None."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError:  # pragma: no cover - depends on the jaxlib build
+        return None
+    return plgpu if all(hasattr(plgpu, n) for n in MOSAIC_GPU_NAMES) else None
+
+
+def mosaic_compiler_params(plgpu):
+    """Warpgroup lowering semantics (Mosaic infers register layouts: the kernels are plain
+    jnp on tiles, which the GPU interpreter also runs) with fast approximate exp2/division."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                approx_math=True)
+
+
+def mosaic_interpret_params():
+    """What `interpret=` takes to run a Mosaic GPU kernel on CPU: jax's GPU interpreter
+    (simulated shared memory, barriers and TMA; jax 0.10 and 0.11 keep it in jax._src)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def reset_mosaic_interpreter():
+    """The GPU interpreter's global state after an exception inside a kernel: jax requires a
+    reset before it interprets again in the same process."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
 def map_vjp_residuals(f, pullback):
     """The pullback `jax.vjp` returned, with `f` applied to each of its residuals (what the
     remat fence uses to tie saved activations to the cotangent). jax's pullback is a pytree

@@ -51,6 +51,10 @@ class _Config:
   num_stages: Optional[int]
   num_stages_bwd: Optional[int]
   interpret: bool
+  backend: str = "triton"  # or "mosaic": the Mosaic GPU kernels (mosaic_forward/backward.py)
+  fast_mma: bool = False   # mosaic: FlashAttention-3's products, not interpretable (mosaic_tiles)
+  compute_wgs: int = 2     # mosaic: compute warpgroups per forward program (blocks of rows)
+  compute_wgs_bwd: int = 2  # mosaic: per backward program
 
 
 def _default_blocks(head_dim: int) -> Tuple[int, int, int, int]:
