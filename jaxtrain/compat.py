@@ -101,6 +101,33 @@ def mosaic_interpret_params():
     return InterpretGPUParams()
 
 
+class persistent_compile_cache:
+    """Within the context, XLA executables are cached on disk in `path` (every compile, however
+    quick). jax's GPU interpreter compiles each warpgroup's program anew at every grid point;
+    the same programs then load from the cache (the Mosaic tests: half the time). The cache
+    is process-wide state that jax decides once, hence the resets."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __enter__(self):
+        from jax._src import compilation_cache
+        self._old = {k: getattr(jax.config, k) for k in self._KEYS}
+        for k, v in zip(self._KEYS, (self.path, 0.0, 0)):
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+        return self
+
+    def __exit__(self, *exc):
+        from jax._src import compilation_cache
+        for k, v in self._old.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+
+    _KEYS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+
+
 def reset_mosaic_interpreter():
     """The GPU interpreter's global state after an exception inside a kernel: jax requires a
     reset before it interprets again in the same process."""

@@ -116,7 +116,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
                                                 constrain_weights=constrain_weights)
     attention = sharding.shard_attention(
-        attention_lib.select(cfg.model, sharding.platform(mesh)), mesh,
+        attention_lib.select(cfg.model, sharding.platform(mesh),
+                             sharding.compute_capability(mesh)), mesh,
         context_attention.plan_of(cfg.parallel))
     fp8 = fp8_layers(cfg)
     lookup = (sharding.ShardedLookup(mesh, cfg.parallel.sequence_parallel)

@@ -13,8 +13,8 @@ from jaxtrain.config.sections import (Config, ConfigError, DataConfig, Fp8Config
 
 DEGREES = ("data", "fsdp", "tensor", "context", "stage")
 # Which attention cores (model.attention) run each parallel.context_strategy.
-CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "cudnn"),
-                      "ring": ("auto", "xla", "pallas")}
+CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "mosaic", "cudnn"),
+                      "ring": ("auto", "xla", "pallas", "mosaic")}
 FP8_ALIGN = 16  # FP8 GEMMs need K and N multiples of 16 (cuBLASLt, Transformer Engine)
 
 

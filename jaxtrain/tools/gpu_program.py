@@ -13,10 +13,15 @@ folder (`compiler_options={"xla_dump_to": DIR}`):
 - `kernels`: each Pallas (Triton custom-call) kernel's grid, threads and shared memory from
   the thunk sequence, and its registers and spills from ptxas (the nvidia-cuda-nvcc wheel
   that jax[cuda12] installs) run on the kernel's PTX for sm_90a.
+- `mosaic_kernels`: each Pallas Mosaic GPU kernel's launch (grid, threads, dynamic shared
+  memory) and ptxas report from the folder Mosaic dumps into while the step compiles
+  (`mosaic_dump`: MOSAIC_GPU_DUMP_TO), with the warpgroups' setmaxnreg budgets.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import pathlib
 import re
 import subprocess
@@ -28,7 +33,8 @@ from jaxtrain.tools import hlo, hlo_module
 # custom call or fusion, a Pallas/cuDNN kernel) or a loop or call (whose bodies hold them).
 # Elementwise fusions, slices and copies take microseconds next to a weight's all-gather.
 _CALL_OPS = {"while", "conditional", "call"}
-_KERNEL_TARGET = re.compile(r'custom_call_target="(?:__cublas|__cudnn|__gpu\$xla\.gpu\.triton)')
+_KERNEL_TARGET = re.compile(
+    r'custom_call_target="(?:__cublas|__cudnn|__gpu\$xla\.gpu\.triton|mosaic_gpu)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,7 @@ class Kernel:
     registers: int | None = None
     spill_stores: int | None = None
     spill_loads: int | None = None
+    warpgroup_registers: tuple = ()   # Mosaic: setmaxnreg budgets (compute, memory), if any
 
     @property
     def spills(self) -> bool:
@@ -226,6 +233,64 @@ def kernels(dump_dir: str | pathlib.Path, names: set[str]) -> list[Kernel]:
     return out
 
 
+_MOSAIC_NAME_RE = re.compile(r'custom_call_target="mosaic_gpu(?:_v2)?".*?op_name="[^"]*?/(\w+)/'
+                             r'mpmd_map"')
+_LAUNCH_RE = re.compile(r"@mosaic_gpu_launch_kernel\(ptr %\w+, " + ", ".join([r"i32 (\d+)"] * 10))
+_SETMAXNREG_RE = re.compile(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);")
+
+
+def mosaic_kernel_names(text: str) -> set[str]:
+    """The Pallas Mosaic GPU kernels (plgpu.kernel's kernel_name) a compiled module calls."""
+    return set(_MOSAIC_NAME_RE.findall(text))
+
+
+@contextlib.contextmanager
+def mosaic_dump(folder):
+    """While compiling, Mosaic GPU writes each kernel's host code, PTX and ptxas report into
+    `folder` (None: nothing)."""
+    old = os.environ.get("MOSAIC_GPU_DUMP_TO")
+    if folder is not None:
+        pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
+        os.environ["MOSAIC_GPU_DUMP_TO"] = str(folder)
+    try:
+        yield
+    finally:
+        if folder is not None:
+            if old is None:
+                os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
+            else:
+                os.environ["MOSAIC_GPU_DUMP_TO"] = old
+
+
+def mosaic_kernels(dump_dir, names: set[str]) -> list[Kernel]:
+    """Launch resources of the named Mosaic GPU kernels from a `mosaic_dump` folder: per name
+    the worst of its compiled instances (most shared memory, registers, spills)."""
+    dump = pathlib.Path(dump_dir)
+    worst: dict[str, Kernel] = {}
+    for report in sorted(dump.glob("*.ptxas")):
+        name = report.stem.rsplit("_", 1)[0]
+        if name not in names:
+            continue
+        info = report.read_text()
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+        launch = _LAUNCH_RE.search(report.with_suffix(".ll").read_text())
+        ptx = report.with_suffix(".ptx")
+        budgets = tuple(int(x) for x in _SETMAXNREG_RE.findall(ptx.read_text())) \
+            if ptx.exists() else ()
+        if launch is None or regs is None:
+            raise RuntimeError(f"{report.name}: no launch or register count in Mosaic's dump")
+        g = [int(x) for x in launch.groups()]
+        k = Kernel(name, tuple(g[0:3]), (g[6] * g[7] * g[8],), g[9], int(regs.group(1)),
+                   int(spill.group(1)) if spill else 0, int(spill.group(2)) if spill else 0,
+                   tuple(dict.fromkeys(budgets)))
+        old = worst.get(name)
+        if old is None or (k.spill_stores, k.shared_memory, k.registers) > (
+                old.spill_stores, old.shared_memory, old.registers):
+            worst[name] = k
+    return [worst[n] for n in sorted(worst)]
+
+
 # ----------------------------------------------------------------------------- the report
 
 @dataclasses.dataclass
@@ -240,9 +305,12 @@ class GpuReport:
 
     @classmethod
     def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes,
-             xla_options: dict | None = None, collectives=None):
+             xla_options: dict | None = None, collectives=None, mosaic_dir=None):
         names = pallas_kernel_names(text)
         ks = kernels(dump_dir, names) if names and dump_dir is not None else []
+        mosaic = mosaic_kernel_names(text)
+        if mosaic and mosaic_dir is not None:
+            ks += mosaic_kernels(mosaic_dir, mosaic)
         return cls(gemm_summary(gemms(text)), async_collectives(text, mesh, collectives), ks,
                    device_memory, total_bytes, dict(xla_options or {}))
 
@@ -277,11 +345,14 @@ class GpuReport:
             out.append(f"    {label:14} {hidden / 1e9:10.3f} of {all_ / 1e9:10.3f} GB  "
                        f"{hidden / all_ if all_ else 0:6.1%}")
         if self.kernels:
-            out.append("  Pallas kernels        grid              threads  smem KiB  regs  spills")
+            out.append("  Pallas kernels                  grid              threads  smem KiB  "
+                       "regs  spills")
             for k in self.kernels:
                 spills = "-" if k.spill_stores is None else f"{k.spill_stores}/{k.spill_loads} B"
-                out.append(f"    {k.name:22} {str(list(k.grid)):16} {k.threads[0]:7d}  "
-                           f"{k.shared_memory / 1024:8.0f}  {k.registers or '-':>4}  {spills}")
+                wg = (" (setmaxnreg " + "/".join(map(str, k.warpgroup_registers)) + ")"
+                      if k.warpgroup_registers else "")
+                out.append(f"    {k.name:30} {str(list(k.grid)):16} {k.threads[0]:7d}  "
+                           f"{k.shared_memory / 1024:8.0f}  {k.registers or '-':>4}  {spills}{wg}")
         if self.total_bytes is not None:
             verdict = ("fits" if self.fits() else
                        f"DOES NOT FIT: {(self.total_bytes - self.device_memory) / gib:.2f} GiB "
