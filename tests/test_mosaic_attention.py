@@ -154,3 +154,37 @@ def test_bad_inputs_raise_one_line_errors_before_tracing(kwargs, message):
   with pytest.raises(FlashAttentionError, match=message) as err:
     jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, seg, **options), q, k, v)
   assert "\n" not in str(err.value)
+
+
+def test_ring_steps_merged_by_their_lse_equal_the_gathered_attention():
+  """A context rank's ring, hop by hop, with the Mosaic kernel (load-balanced order, packed
+  documents): its two partial attentions (its own kv chunk, then the other rank's), merged by
+  their LSE as ring_attention merges them, equal the rank's queries against all keys in one
+  kernel (out and LSE). On one device: interpreted Mosaic kernels in a multi-device program
+  deadlock XLA:CPU (attention.check_interpretable), so the hops are called in sequence here."""
+  from jaxtrain.parallel import context_attention as ca
+  B, S, H, K, D, c = 1, 256, 1, 1, 64, 2
+  q, k, v, _ = _inputs(7, B, S, S, H, K, D, D, jnp.bfloat16)
+  order = context_order(S, c)
+  docs = _documents(B, S, (90, 166))
+  pos = jnp.asarray(order, jnp.int32)
+  q, k, v, seg = (x[:, order] for x in (q, k, v, docs))
+  ops = ca.kernel_blocks(interpret=True, backend="mosaic")
+  mine, other = slice(S // 2, S), slice(0, S // 2)   # rank 1's tokens, then rank 0's
+  rank = lambda x, part: x[:, part]  # noqa: E731
+
+  def hops(q, k, v, seg, pos):
+    partial = [ops.forward(rank(q, mine), rank(k, part), rank(v, part), rank(seg, mine),
+                           rank(seg, part), pos[mine], pos[part]) for part in (mine, other)]
+    out, lse = partial[0]
+    out, lse = ca.merge(out.astype(jnp.float32), lse, partial[1][0].astype(jnp.float32),
+                        partial[1][1])
+    gathered = ops.forward(rank(q, mine), k, v, rank(seg, mine), seg, pos[mine], pos)
+    return out, lse, *gathered
+
+  ring_out, ring_lse, out, lse = jax.jit(hops)(q, k, v, seg, pos)
+  np.testing.assert_allclose(np.asarray(ring_lse), np.asarray(lse), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ring_out), np.asarray(out, np.float32), atol=1e-2)
+  want = reference_attention(*_f32(rank(q, mine), k, v), (rank(seg, mine), seg),
+                             positions=(pos[mine], pos))
+  assert _errors(out, want)[0] < 2e-2

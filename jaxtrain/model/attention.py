@@ -88,18 +88,19 @@ class PallasAttention:
                                interpret=self.interpret, backend=self.backend)
 
 
-def cudnn_attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS):
+def cudnn_attention(q_BSHE, k_BSKE, v_BSKE, segment_ids_BS, *, implementation="cudnn"):
     """cuDNN flash attention. Packed documents go in as a [B, 1, S, S] boolean mask (jax adds it
     as a bias, so it costs B·S² memory; the compiled cuDNN call carries it, test_gpu_compile):
     never as segment ids, which a cuDNN path can drop (MaxText #4476 found one that did).
-    Causality is fused and skips the masked blocks."""
+    Causality is fused and skips the masked blocks. `implementation="xla"`: the same call on
+    jax's XLA path (what the CPU tests check the mask with)."""
     if v_BSKE.shape[-1] != k_BSKE.shape[-1]:
         raise AttentionConfigError(
             f"attention=cudnn: jax.nn.dot_product_attention takes one head size for K and V, got "
             f"{k_BSKE.shape[-1]} and {v_BSKE.shape[-1]}; use attention=mosaic, pallas or xla")
     mask_B1ST = (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
     return jax.nn.dot_product_attention(q_BSHE, k_BSKE, v_BSKE, mask=mask_B1ST, is_causal=True,
-                                        implementation="cudnn")
+                                        implementation=implementation)
 
 
 # ----------------------------------------------------------------------------- per shard
@@ -208,6 +209,20 @@ def select(model_cfg, platform: str, compute_capability=None):
         return PallasAttention(interpret=platform != "gpu", backend=backend)
     _check_cudnn(model_cfg, platform)
     return cudnn_attention
+
+
+def check_interpretable(core, n_devices: int) -> None:
+    """Refuse, rather than hang, an interpreted Mosaic kernel in a program of several devices:
+    jax's GPU interpreter runs each program's warpgroups as XLA:CPU computations that block
+    on each other's barriers, and with every device doing so they take all of XLA:CPU's
+    worker threads and deadlock (seen at 2 devices x 3 warpgroups, tests with 8 fake
+    devices; one device runs)."""
+    if isinstance(core, PallasAttention) and core.backend == "mosaic" and core.interpret \
+            and n_devices > 1:
+        raise AttentionConfigError(
+            f"model.attention=mosaic interpreted on CPU runs on one device only (jax's GPU "
+            f"interpreter deadlocks XLA:CPU across {n_devices} devices); use attention=pallas "
+            "or xla for multi-device CPU runs, or compile for a GPU target")
 
 
 def is_kernel(core) -> bool:

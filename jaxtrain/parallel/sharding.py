@@ -350,7 +350,8 @@ def shard_attention(core: Callable, mesh: Mesh | None,
     runs per shard with `context`'s strategy (default: all_gather, load-balanced); a core
     that lacks the strategy fails here, before anything compiles."""
     from jaxtrain.parallel import context_attention
-    from jaxtrain.model.attention import is_kernel
+    from jaxtrain.model.attention import check_interpretable, is_kernel
+    check_interpretable(core, 1 if mesh is None else mesh.size)
     if mesh is not None and mesh.shape.get("context", 1) > 1:
         context = context or context_attention.ContextPlan()
         context_attention.check_supported(core, context.strategy)

@@ -244,22 +244,25 @@ def mosaic_kernel_names(text: str) -> set[str]:
     return set(_MOSAIC_NAME_RE.findall(text))
 
 
+_MOSAIC_DUMP_ENV = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_HOST_LLVM")
+
+
 @contextlib.contextmanager
 def mosaic_dump(folder):
-    """While compiling, Mosaic GPU writes each kernel's host code, PTX and ptxas report into
-    `folder` (None: nothing)."""
-    old = os.environ.get("MOSAIC_GPU_DUMP_TO")
+    """While compiling, Mosaic GPU writes each kernel's host code (its launch), PTX and ptxas
+    report into `folder` (None: nothing)."""
+    old = {k: os.environ.get(k) for k in _MOSAIC_DUMP_ENV}
     if folder is not None:
         pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
-        os.environ["MOSAIC_GPU_DUMP_TO"] = str(folder)
+        os.environ.update(dict(zip(_MOSAIC_DUMP_ENV, (str(folder), "1"))))
     try:
         yield
     finally:
-        if folder is not None:
-            if old is None:
-                os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
             else:
-                os.environ["MOSAIC_GPU_DUMP_TO"] = old
+                os.environ[k] = v
 
 
 def mosaic_kernels(dump_dir, names: set[str]) -> list[Kernel]:

@@ -277,8 +277,8 @@ def mosaic_backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, ls
   dkv = mt.launch(lambda refs: _dkv_body(refs, cfg, dims, gd), dkv_in,
                   {"dk": jax.ShapeDtypeStruct((B, Sk, H, D), part),
                    "dv": jax.ShapeDtypeStruct((B, Sk, H, Dv), part)},
-                  grid=(Sk // (cfg.compute_wgs_bwd * cfg.block_k_bwd), B, H),
-                  grid_names=("kv", "b", "h"), wgs=cfg.compute_wgs_bwd, interpret=cfg.interpret,
+                  grid=(B, H, Sk // (cfg.compute_wgs_bwd * cfg.block_k_bwd)),  # last: fastest
+                  grid_names=("b", "h", "kv"), wgs=cfg.compute_wgs_bwd, interpret=cfg.interpret,
                   name="jaxtrain_mosaic_flash_bwd_dkv")
 
   dq_in = dict(q=q, k=mma.transposed_input(k), v=mma.transposed_input(v), do=do, **common)
@@ -288,8 +288,8 @@ def mosaic_backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, ls
     dq_in["schedule"] = mt.packed_schedule(rows)
   dq = mt.launch(lambda refs: _dq_body(refs, cfg, dims, gd), dq_in,
                  {"dq": jax.ShapeDtypeStruct(q.shape, gd)},
-                 grid=(Sq // (cfg.compute_wgs_bwd * cfg.block_q_bwd), B, H),
-                 grid_names=("q", "b", "h"), wgs=cfg.compute_wgs_bwd, interpret=cfg.interpret,
+                 grid=(B, H, Sq // (cfg.compute_wgs_bwd * cfg.block_q_bwd)),
+                 grid_names=("b", "h", "q"), wgs=cfg.compute_wgs_bwd, interpret=cfg.interpret,
                  name="jaxtrain_mosaic_flash_bwd_dq")
   dk, dv = (x.reshape(B, Sk, K, H // K, x.shape[-1]).sum(axis=3).astype(gd)
             for x in (dkv["dk"], dkv["dv"]))

@@ -142,6 +142,8 @@ def mosaic_forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
              "lse": jax.ShapeDtypeStruct((B, H, Sq), jnp.float32)}
   dims = (B, Sq, Sk, H, K, D, Dv)
   res = mt.launch(lambda refs: _forward_body(refs, cfg, dims), inputs, outputs,
-                  grid=(Sq // (cfg.compute_wgs * cfg.block_q), B, H), grid_names=("q", "b", "h"),
+                  # Mosaic launches the last grid axis fastest: a head's q programs run side by
+                  # side and share its K/V in L2
+                  grid=(B, H, Sq // (cfg.compute_wgs * cfg.block_q)), grid_names=("b", "h", "q"),
                   wgs=cfg.compute_wgs, interpret=cfg.interpret, name="jaxtrain_mosaic_flash_fwd")
   return res["out"], res["lse"], None
