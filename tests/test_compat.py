@@ -88,3 +88,41 @@ def test_saved_tree_metadata_of_an_orbax_item(tmp_path):
     ckptr.save(tmp_path / "item", {"params": {"w": np.ones((2, 3), np.float32)}})
     tree = compat.saved_tree_metadata(ckptr, tmp_path / "item")
     assert tuple(tree["params"]["w"].shape) == (2, 3)
+
+
+def test_mosaic_gpu_spellings_and_its_interpreter_run_a_tiny_kernel():
+    """Every Mosaic GPU name the flash kernels use exists, and a Warpgroup-semantics kernel
+    (TMA in, a wgmma, a store out) runs in jax's GPU interpreter through compat's params."""
+    plgpu = compat.mosaic_gpu()
+    assert plgpu is not None, "this jax has no Mosaic GPU backend with " + \
+        ", ".join(compat.MOSAIC_GPU_NAMES)
+    from jax.experimental import pallas as pl
+    tile = plgpu.SMEM((64, 64), jnp.float16, transforms=(plgpu.TilingTransform((8, 64)),
+                                                         plgpu.SwizzleTransform(128)))
+
+    def body(a_ref, o_ref, a_smem, bar):
+        plgpu.copy_gmem_to_smem(a_ref, a_smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, a_smem, a_smem)
+            return acc_ref[...]
+        o_ref[...] = pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) / 8, jnp.float16)
+    run = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32), grid=(1,),
+                       grid_names=("x",), scratch_types=[tile, plgpu.Barrier(num_barriers=1)],
+                       compiler_params=compat.mosaic_compiler_params(plgpu),
+                       interpret=compat.mosaic_interpret_params())
+    want = a.astype(jnp.float32) @ a.astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(run)(a)), np.asarray(want), atol=1e-3)
+    compat.reset_mosaic_interpreter()  # callable (jax asks for it after a kernel raised)
+
+
+def test_persistent_compile_cache_caches_inside_and_stops_after(tmp_path):
+    with compat.persistent_compile_cache(tmp_path):
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).block_until_ready()
+    cached = set(tmp_path.iterdir())
+    assert cached, "nothing was written to the cache"
+    jax.jit(lambda x: jnp.cos(x) * 5.0 - 2.0)(jnp.arange(9.0)).block_until_ready()
+    assert set(tmp_path.iterdir()) == cached and jax.config.jax_compilation_cache_dir is None

@@ -20,43 +20,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxtrain.model.kernels.flash_config import _Config
-from jaxtrain.model.kernels.flash_tiles import _LOG2E, _q_block_index
+from jaxtrain.model.kernels.flash_tiles import _LOG2E
 from jaxtrain.model.kernels import mosaic_tiles as mt
 from jaxtrain.model.kernels.mosaic_tiles import plgpu
-
-
-def _row_streams(refs, cfg, name_seg, name_pos, window, lead, n):
-  """Segment ids and positions of a block (None where the config has none)."""
-  out = []
-  if cfg.has_segments:
-    out.append(mt.Stream(lambda s: refs[name_seg].at[lead(s), window(s)],
-                         mt.row_smem((n,), jnp.int32)))
-  if cfg.has_positions:
-    out.append(mt.Stream(lambda s: refs[name_pos].at[window(s)], mt.row_smem((n,), jnp.int32)))
-  return out
-
-
-def _load_private(copies, barrier):
-  """Copy a warpgroup's own tiles (one barrier, one arrival per copy) and wait for them."""
-  for src, dst in copies:
-    plgpu.copy_gmem_to_smem(src, dst, barrier)
-  plgpu.barrier_wait(barrier)
 
 
 def _dkv_body(refs, cfg: _Config, dims, grad_dtype):
   B, Sq, Sk, H, K, D, Dv = dims
   bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
   dtype = refs["k"].dtype
-  group = H // K
   mma = mt.Mma(cfg.fast_mma)
   wgs = cfg.compute_wgs_bwd
-  prog, b, h = lax.axis_index("kv"), lax.axis_index("b"), lax.axis_index("h")
-  kh = lax.div(h, jnp.int32(group))
-  prog_start = prog * (wgs * bk)
+  pr = mt.program(refs, cfg, axis="kv", programs=Sk // (wgs * bk), span=wgs * bk,
+                  other_block=bq, num_other=Sq // bq, group=H // K, rows=False)
+  b, h, kh = pr.b, pr.h, pr.kh
   scale2 = cfg.sm_scale * _LOG2E
-  sched = (lambda i: refs["schedule"][b, prog, i]) if cfg.skip_blocks else None
-  loops, block_of = mt.block_loops(cfg, sched, prog_start, wgs * bk, bq, Sq // bq, rows=False)
-  first = loops[0][0]
   # The fast kernel accumulates dK and dV in one pass over the q blocks. Without in-place
   # accumulation the fp32 accumulators and a fresh product of each do not fit in 255
   # registers (ptxas spilled 500+ bytes at D = 128), so the checked kernel takes two passes,
@@ -67,7 +45,7 @@ def _dkv_body(refs, cfg: _Config, dims, grad_dtype):
   s_streams = [mma.transposed_stream(refs["q"], lambda s: (b, window(s), h), (bq, D), dtype),
                mt.Stream(lambda s: refs["lse"].at[b, h, window(s)],
                          mt.row_smem((bq,), jnp.float32))]
-  s_streams += _row_streams(refs, cfg, "q_seg", "q_pos", window, lambda s: b, bq)
+  s_streams += mt.row_streams(refs, cfg, "q_seg", "q_pos", window, b, bq)
   d_streams = [mt.Stream(lambda s: refs["do"].at[b, window(s), h], mt.tile_smem((bq, Dv), dtype)),
                mt.Stream(lambda s: refs["delta"].at[b, h, window(s)],
                          mt.row_smem((bq,), jnp.float32))]
@@ -91,20 +69,20 @@ def _dkv_body(refs, cfg: _Config, dims, grad_dtype):
     k_smem, v_smem, bar, stage_smem, seg_smem, pos_smem = private_refs
 
     def compute(w):
-      col0 = prog_start + w * bk
+      col0 = pr.start + w * bk
       cols = pl.ds(col0, bk)
       copies = [(refs["k"].at[b, cols, kh], k_smem.at[w]), (refs["v"].at[b, cols, kh], v_smem.at[w])]
       if cfg.has_segments:
         copies.append((refs["kv_seg"].at[b, cols], seg_smem.at[w]))
       if cfg.has_positions:
         copies.append((refs["kv_pos"].at[cols], pos_smem.at[w]))
-      _load_private(copies, bar.at[w])
+      mt.load_own(copies, bar.at[w])
       k_seg = seg_smem.at[w][...] if cfg.has_segments else None
       k_pos = pos_smem.at[w][...] if cfg.has_positions else None
       shape = (bk, bq)
 
       def body(t, u, carry, *, causal_mask, wants):
-        i = block_of(t)
+        i = pr.block_of(t)
         slot = pipe.slot(u)
         q_tile, lse_tile, *rest = pipe.wait(0, slot)
         s_t = mma.product(k_smem.at[w], mma.transposed(q_tile), shape) * scale2
@@ -139,15 +117,15 @@ def _dkv_body(refs, cfg: _Config, dims, grad_dtype):
         carry = {"dk": jnp.zeros((bk, D), jnp.float32)} if "dk" in wants else {}
         if "dv" in wants:
           carry["dv"] = jnp.zeros((bk, Dv), jnp.float32)
-        carry, step = mt.run_loops(loops, body_of, carry, step0=step)
+        carry, step = mt.run_loops(pr.loops, body_of, carry, step0=step)
         if "dk" in carry:
           mt.store(refs["dk"].at[b, cols, h], carry["dk"] * cfg.sm_scale)
         if "dv" in carry:
           mt.store(refs["dv"].at[b, cols, h], carry["dv"])
 
     def memory():
-      steps = mt.loop_steps(loops)
-      pipe.produce(len(passes) * steps, lambda u: block_of(first + lax.rem(u, steps)))
+      steps = mt.loop_steps(pr.loops)
+      pipe.produce(len(passes) * steps, lambda u: pr.block_of(pr.first + lax.rem(u, steps)))
 
     mt.split_roles(compute, memory, wgs)
 
@@ -158,22 +136,16 @@ def _dq_body(refs, cfg: _Config, dims, grad_dtype):
   B, Sq, Sk, H, K, D, Dv = dims
   bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
   dtype = refs["q"].dtype
-  group = H // K
   mma = mt.Mma(cfg.fast_mma)
   wgs = cfg.compute_wgs_bwd
-  num_programs = Sq // (wgs * bq)
-  prog = _q_block_index(lax.axis_index("q"), num_programs, cfg.causal)
-  b, h = lax.axis_index("b"), lax.axis_index("h")
-  kh = lax.div(h, jnp.int32(group))
-  prog_start = prog * (wgs * bq)
+  pr = mt.program(refs, cfg, axis="q", programs=Sq // (wgs * bq), span=wgs * bq,
+                  other_block=bk, num_other=Sk // bk, group=H // K, rows=True)
+  b, h, kh = pr.b, pr.h, pr.kh
   scale2 = cfg.sm_scale * _LOG2E
-  sched = (lambda i: refs["schedule"][b, prog, i]) if cfg.skip_blocks else None
-  loops, block_of = mt.block_loops(cfg, sched, prog_start, wgs * bq, bk, Sk // bk, rows=True)
-  first = loops[0][0]
 
   window = lambda j: pl.ds(j * bk, bk)  # noqa: E731
   s_streams = [mma.transposed_stream(refs["k"], lambda j: (b, window(j), kh), (bk, D), dtype)]
-  s_streams += _row_streams(refs, cfg, "kv_seg", "kv_pos", window, lambda j: b, bk)
+  s_streams += mt.row_streams(refs, cfg, "kv_seg", "kv_pos", window, b, bk)
   d_streams = [mma.transposed_stream(refs["v"], lambda j: (b, window(j), kh), (bk, Dv), dtype)]
   if not cfg.fast_mma:  # the checked kernel's plain copy of K (dQ += dS K)
     d_streams.append(mt.Stream(lambda j: refs["k_plain"].at[b, window(j), kh],
@@ -193,7 +165,7 @@ def _dq_body(refs, cfg: _Config, dims, grad_dtype):
     q_smem, do_smem, lse_smem, delta_smem, bar, ds_smem, seg_smem, pos_smem = private_refs
 
     def compute(w):
-      row0 = prog_start + w * bq
+      row0 = pr.start + w * bq
       rows = pl.ds(row0, bq)
       copies = [(refs["q"].at[b, rows, h], q_smem.at[w]), (refs["do"].at[b, rows, h], do_smem.at[w]),
                 (refs["lse"].at[b, h, rows], lse_smem.at[w]),
@@ -202,7 +174,7 @@ def _dq_body(refs, cfg: _Config, dims, grad_dtype):
         copies.append((refs["q_seg"].at[b, rows], seg_smem.at[w]))
       if cfg.has_positions:
         copies.append((refs["q_pos"].at[rows], pos_smem.at[w]))
-      _load_private(copies, bar.at[w])
+      mt.load_own(copies, bar.at[w])
       shape = (bq, bk)
       lse = mt.broadcast_rows(lse_smem.at[w][...], shape)
       delta = mt.broadcast_rows(delta_smem.at[w][...], shape)
@@ -210,7 +182,7 @@ def _dq_body(refs, cfg: _Config, dims, grad_dtype):
       q_pos = pos_smem.at[w][...] if cfg.has_positions else None
 
       def body(t, u, dq, *, causal_mask):
-        j = block_of(t)
+        j = pr.block_of(t)
         slot = pipe.slot(u)
         k_tile, *rest = pipe.wait(0, slot)
         p = jnp.exp2(mma.product(q_smem.at[w], mma.transposed(k_tile), shape) * scale2 - lse)
@@ -230,11 +202,11 @@ def _dq_body(refs, cfg: _Config, dims, grad_dtype):
         pipe.release(1, slot)
         return dq
 
-      dq, _ = mt.run_loops(loops, body, jnp.zeros((bq, D), jnp.float32))
+      dq, _ = mt.run_loops(pr.loops, body, jnp.zeros((bq, D), jnp.float32))
       mt.store(refs["dq"].at[b, rows, h], dq * cfg.sm_scale)
 
     def memory():
-      pipe.produce(mt.loop_steps(loops), lambda u: block_of(first + u))
+      pipe.produce(mt.loop_steps(pr.loops), lambda u: pr.block_of(pr.first + u))
 
     mt.split_roles(compute, memory, wgs)
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxtrain.model.kernels.flash_config import _Config
-from jaxtrain.model.kernels.flash_tiles import _LOG2E, _MASKED, _q_block_index, _schedules
+from jaxtrain.model.kernels.flash_tiles import _LOG2E, _MASKED, _schedules
 from jaxtrain.model.kernels import mosaic_tiles as mt
 from jaxtrain.model.kernels.mosaic_tiles import plgpu
 
@@ -24,33 +23,18 @@ def _forward_body(refs, cfg: _Config, dims):
   B, Sq, Sk, H, K, D, Dv = dims
   bq, bk = cfg.block_q, cfg.block_k
   dtype = refs["q"].dtype
-  group = H // K
   mma = mt.Mma(cfg.fast_mma)
   wgs = cfg.compute_wgs
-  num_programs, num_k_blocks = Sq // (wgs * bq), Sk // bk
-  prog = _q_block_index(lax.axis_index("q"), num_programs, cfg.causal)
-  b, h = lax.axis_index("b"), lax.axis_index("h")
-  kh = lax.div(h, jnp.int32(group))
-  prog_start = prog * (wgs * bq)
+  pr = mt.program(refs, cfg, axis="q", programs=Sq // (wgs * bq), span=wgs * bq,
+                  other_block=bk, num_other=Sk // bk, group=H // K, rows=True)
+  b, h, kh = pr.b, pr.h, pr.kh
   scale2 = cfg.sm_scale * _LOG2E  # base 2: the softmax uses exp2
-
-  sched = None
-  if cfg.skip_blocks:
-    sched = lambda i: refs["schedule"][b, prog, i]  # noqa: E731
-  loops, block_of = mt.block_loops(cfg, sched, prog_start, wgs * bq, bk, num_k_blocks,
-                                   rows=True)
-  first = loops[0][0]
 
   def kv_window(j):
     return pl.ds(j * bk, bk)
   # K^T for q @ K^T: the fast kernel views K's tile transposed, the checked one streams K^T
   k_streams = [mma.transposed_stream(refs["k"], lambda j: (b, kv_window(j), kh), (bk, D), dtype)]
-  if cfg.has_segments:
-    k_streams.append(mt.Stream(lambda j: refs["kv_seg"].at[b, kv_window(j)],
-                               mt.row_smem((bk,), jnp.int32)))
-  if cfg.has_positions:
-    k_streams.append(mt.Stream(lambda j: refs["kv_pos"].at[kv_window(j)],
-                               mt.row_smem((bk,), jnp.int32)))
+  k_streams += mt.row_streams(refs, cfg, "kv_seg", "kv_pos", kv_window, b, bk)
   v_streams = [mt.Stream(lambda j: refs["v"].at[b, kv_window(j), kh], mt.tile_smem((bk, Dv), dtype))]
   pipeline = mt.Pipeline([k_streams, v_streams], cfg.num_stages, wgs)
 
@@ -66,22 +50,20 @@ def _forward_body(refs, cfg: _Config, dims):
     q_smem, q_bar, p_smem, qseg_smem, qpos_smem = private_refs
 
     def compute(w):
-      row0 = prog_start + w * bq
+      row0 = pr.start + w * bq
       rows = pl.ds(row0, bq)
       copies = [(refs["q"].at[b, rows, h], q_smem.at[w])]
       if cfg.has_segments:
         copies.append((refs["q_seg"].at[b, rows], qseg_smem.at[w]))
       if cfg.has_positions:
         copies.append((refs["q_pos"].at[rows], qpos_smem.at[w]))
-      for src, dst in copies:  # one barrier, one arrival per copy
-        plgpu.copy_gmem_to_smem(src, dst, q_bar.at[w])
-      plgpu.barrier_wait(q_bar.at[w])
+      mt.load_own(copies, q_bar.at[w])
       q_seg = qseg_smem.at[w][...] if cfg.has_segments else None
       q_pos = qpos_smem.at[w][...] if cfg.has_positions else None
 
       def body(t, u, carry, *, causal_mask):
         acc, m, l = carry
-        j = block_of(t)
+        j = pr.block_of(t)
         slot = pipe.slot(u)
         k_tiles = pipe.wait(0, slot)
         s = mma.product(q_smem.at[w], mma.transposed(k_tiles[0]), (bq, bk)) * scale2
@@ -110,7 +92,7 @@ def _forward_body(refs, cfg: _Config, dims):
 
       carry = (jnp.zeros((bq, Dv), jnp.float32), jnp.full((bq,), _MASKED, jnp.float32),
                jnp.zeros((bq,), jnp.float32))
-      (acc, m, l), _ = mt.run_loops(loops, body, carry)
+      (acc, m, l), _ = mt.run_loops(pr.loops, body, carry)
       empty = l == 0.0
       l_safe = jnp.where(empty, 1.0, l)
       mt.store(refs["out"].at[b, rows, h], acc / mt.broadcast_rows(l_safe, acc.shape))
@@ -118,7 +100,7 @@ def _forward_body(refs, cfg: _Config, dims):
       refs["lse"].at[b, h, rows][...] = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe))
 
     def memory():
-      pipe.produce(mt.loop_steps(loops), lambda u: block_of(first + u))
+      pipe.produce(mt.loop_steps(pr.loops), lambda u: pr.block_of(pr.first + u))
 
     mt.split_roles(compute, memory, wgs)
 

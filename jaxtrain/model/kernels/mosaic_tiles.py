@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -165,6 +164,51 @@ class BoundPipeline:
 
   def release(self, g: int, slot):
     plgpu.barrier_arrive(self.consumed[g].at[slot])
+
+
+def row_streams(refs, cfg, seg_name: str, pos_name: str, window, batch, n: int) -> list[Stream]:
+  """The streams of a block's segment ids and positions (those the config has), `window(step)`
+  its rows, `batch` the program's batch row."""
+  out = []
+  if cfg.has_segments:
+    out.append(Stream(lambda s: refs[seg_name].at[batch, window(s)], row_smem((n,), jnp.int32)))
+  if cfg.has_positions:
+    out.append(Stream(lambda s: refs[pos_name].at[window(s)], row_smem((n,), jnp.int32)))
+  return out
+
+
+def load_own(copies, barrier):
+  """Copy a warpgroup's own tiles ((GMEM window, SMEM tile) pairs; one barrier, one arrival
+  per copy) and wait for them."""
+  for src, dst in copies:
+    plgpu.copy_gmem_to_smem(src, dst, barrier)
+  plgpu.barrier_wait(barrier)
+
+
+class Program(NamedTuple):
+  """Where a program is: its batch row, head, kv head, first row, and its loops over the
+  other side's blocks (block_loops) with the first block index they start from."""
+  b: Any
+  h: Any
+  kh: Any
+  start: Any
+  loops: list
+  block_of: Callable
+  first: Any
+
+
+def program(refs, cfg, *, axis: str, programs: int, span: int, other_block: int, num_other: int,
+            group: int, rows: bool) -> Program:
+  """The program at grid axis `axis` (`programs` of `span` rows; q-block programs of a causal
+  kernel run the longest first) and its loops, from the block map when the config skips."""
+  b, h = lax.axis_index("b"), lax.axis_index("h")
+  prog = lax.axis_index(axis)
+  if rows and cfg.causal:  # causal work grows with the q block: launch the longest first
+    prog = programs - 1 - prog
+  schedule = (lambda i: refs["schedule"][b, prog, i]) if cfg.skip_blocks else None
+  start = prog * span
+  loops, block_of = block_loops(cfg, schedule, start, span, other_block, num_other, rows=rows)
+  return Program(b, h, lax.div(h, jnp.int32(group)), start, loops, block_of, loops[0][0])
 
 
 # ----------------------------------------------------------------------------- products
