@@ -5,17 +5,14 @@ beside it.
 Differentiating a microbatch w.r.t. the compute-dtype params makes the layer scan's backward
 write every layer's gradient into one stacked [L, ...] buffer of the compute dtype, which the
 step then adds to its fp32 accumulator: 2 bytes per parameter beside the accumulator's 4. Here
-the step differentiates w.r.t. the accumulator instead, through identities whose custom VJPs
-turn the cotangents into "acc + g":
-
-- `tap(params, acc)` for what is not scanned (embedding, head, final norm): the params
-  forward, `acc + g` backward;
-- inside the layer scan (`accumulating`, a wrapper of the remat runner) the stacked
-  accumulator rides in the scan's carry, passed through unchanged; each layer's weights pass
-  an identity whose backward adds that layer's gradient into row i of the carried cotangent
-  (an in-place dynamic-update-slice of the backward loop's carry, as Megatron's wgrad GEMM
-  accumulates into main_grad). The carry's cotangent starts as the accumulator itself
-  (`seed`: its backward returns its input), so what leaves the backward is acc + Σ g.
+the step differentiates the stack w.r.t. its accumulator instead: inside the layer scan
+(`accumulating`, a wrapper of the remat runner) the stacked accumulator rides in the scan's
+carry, passed through unchanged; each layer's weights pass an identity whose backward adds
+that layer's gradient into row i of the carried cotangent (an in-place dynamic-update-slice of
+the backward loop's carry, as Megatron's wgrad GEMM accumulates into main_grad). The carry's
+cotangent starts as the accumulator itself (`seed`: its backward returns its input), so the
+accumulator's cotangent is acc + Σ g. (The embedding, head and final norm are not scanned;
+the executor differentiates and adds them as before.)
 
 The accumulator reaches the runner through `into(acc_blocks)`, a trace-time context the
 replica executor opens around one microbatch's forward; without one (the pipeline, eval, the
