@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger import Estimate, Executor, Gpu, Layout, LayoutError, estimate, get_gpu
 from jaxtrain.ledger.layout import layout_from_config
-from jaxtrain.ledger.memory import layer_params_local, workspace_bytes
+from jaxtrain.ledger.memory import layer_params_local, state_bytes, workspace_bytes
 from jaxtrain.tools.device_plan import Planned, plan_devices, scale_to_devices
 
 if TYPE_CHECKING:
@@ -60,6 +60,24 @@ def branch_matmul_flops(cfg: Config, layout: Layout, ex: Executor) -> float:
 
 # ----------------------------------------------------------------------------- compiling
 
+def compiled_state_terms(compiled, abstract_state) -> dict[str, float]:
+    """Per-device bytes of the compiled step's train-state arguments by the ledger's static
+    terms (master: params; moments: Adam's mu and nu; fp8_meta; other: step counts), from
+    the shardings the compiled program takes them in."""
+    import jax
+    import numpy as np
+    shardings = compiled.input_shardings[0][0]
+    out = dict.fromkeys(("master", "moments", "fp8_meta", "other"), 0.0)
+
+    def add(path, leaf, sh):
+        names = [str(getattr(k, "name", getattr(k, "key", k))) for k in path]
+        term = ("master" if names[0] == "params" else "fp8_meta" if names[0] == "fp8_meta"
+                else "moments" if {"mu", "nu"} & set(names) else "other")
+        out[term] += float(np.prod(sh.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+    jax.tree_util.tree_map_with_path(add, abstract_state, shardings)
+    return out
+
+
 @dataclasses.dataclass
 class DryRun:
     """A compiled step next to the ledger's prediction for its layout."""
@@ -75,6 +93,7 @@ class DryRun:
     lower_s: float
     compile_s: float
     device_kind: str
+    state_terms: dict = dataclasses.field(default_factory=dict)  # compiled_state_terms
     gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
     executed: "pipeline_flops.ExecutedFlops | None" = None  # pipelined: per rank, as run
     attention: tuple = ()        # (the attention core compiled, why: attention.choose)
@@ -91,9 +110,9 @@ class DryRun:
     def ledger_memory(self) -> dict[str, float]:
         e = self.estimate
         s = e.static_breakdown
-        temps = sum(v for k, v in s.items() if k != "optimizer") + e.activation_bytes \
-            + e.reserve_bytes
-        return {"state": s["optimizer"], "temp": temps, "total": e.total_bytes,
+        state = state_bytes(s)
+        temps = sum(s.values()) - state + e.activation_bytes + e.reserve_bytes
+        return {"state": state, "temp": temps, "total": e.total_bytes,
                 "temp_no_workspace": temps - workspace_bytes(self.cfg)}
 
     def hlo_pass_factor(self) -> float:
@@ -196,6 +215,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
             out = compile_step(scaled, mesh, extra_options=extra)
         report = None
         mem = hlo.memory(out.compiled)
+        state_terms = compiled_state_terms(out.compiled, out.setup.abstract_train_state)
         raw_colls = hlo.collectives_from_text(out.text, mesh)
         if is_gpu:
             device_memory = (targets.get(target).memory_bytes if target else
@@ -218,4 +238,5 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                   estimate=est, memory=mem, collectives=colls,
                   matmul_flops=hlo.matmul_flops_from_text(out.text), xla_flops=xla_flops,
                   lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
-                  gpu_report=report, executed=executed, attention=chosen)
+                  gpu_report=report, executed=executed, state_terms=state_terms,
+                  attention=chosen)
