@@ -1,5 +1,6 @@
-"""The planner's explicit layout (`--tensor/--stage/--virtual-stages/--context/--micro-batch`):
-the recipe's layout with the flags' degrees, and what those flags invalidate re-derived.
+"""The planner's explicit layout (`--tensor/--stage/--virtual-stages/--context/--micro-batch/
+--expert`): the recipe's layout with the flags' degrees, and what those flags invalidate
+re-derived.
 
 A recipe's virtual stages and micro-batch are chosen for its own degrees (llama70b: stage 2 x
 8 virtual, micro-batch 1 x 8 microbatches). Flags that change the degrees can leave them
@@ -27,7 +28,8 @@ def _mid(e: Estimate) -> float:
 def flagged_estimate(cfg: Config, n_devices: int, gpu: Gpu, flags: dict, **fixed
                      ) -> tuple[Estimate, list[str]]:
     """(the estimate of the flags' layout, notes on what was re-derived). `flags`: the
-    planner's --tensor/--stage/--virtual-stages/--context/--micro-batch (None: not given);
+    planner's --tensor/--stage/--virtual-stages/--context/--micro-batch/--expert (None: not
+    given);
     `fixed`: fsdp, sequence_parallel, zero1 as explicit_layout takes them."""
     from jaxtrain.tools.plan import MICRO_BATCHES, MIN_LAYERS_PER_CHUNK, explicit_layout
 
