@@ -121,7 +121,7 @@ def test_moe_recompute_flops_of_each_module():
         return ledger.recompute_flops_per_token(
             cfg, RematConfig(granularity="selective", modules=modules))
     assert extra("moe_act") == 0.0                                # elementwise
-    assert extra("moe") == 4 * (2 * h * 8 + 6 * h * 40 * 2)       # router, in and out projections
+    assert extra("moe") == 4 * (6 * h * 40 * 2)                   # in and out projections
     assert extra("shared_experts") == 4 * (4 * h * 24)            # gate and up
     assert extra("mlp") == 0.0                                    # no dense MLP in MoE layers
 

@@ -143,11 +143,12 @@ def _module_flops(model: ModelConfig, seq_len: int, causal: bool,
               "core_attn_out": attn,   # QK^T and PV (remat.MODULES)
               "attn_out": 2.0 * H * E * h}
     mlp = {"mlp_act": 0.0, "mlp_in": 4.0 * h * F, "mlp_out": 2.0 * F * h, "mlp": 6.0 * h * F}
-    n = model.moe.num_experts if model.moe is not None else 0
     fe, fs, r = model.expert_mlp_size, model.shared_mlp_size, rows_per_token
     # moe_out and moe re-run the down projection: the router weights' gradient reads its rows.
-    moe = {"moe_router": 2.0 * h * n, "moe_in": 4.0 * h * fe * r, "moe_act": 0.0,
-           "moe_out": 2.0 * fe * h * r, "moe": 2.0 * h * n + 6.0 * h * fe * r,
+    # The router's GEMM (2·h·E) re-runs under every selective policy, as the attention core's
+    # insides do (its untagged logits feed the softmax's backward): no module's own.
+    moe = {"moe_router": 0.0, "moe_in": 4.0 * h * fe * r, "moe_act": 0.0,
+           "moe_out": 2.0 * fe * h * r, "moe": 6.0 * h * fe * r,
            "shared_in": 4.0 * h * fs, "shared_act": 0.0, "shared_out": 2.0 * fs * h,
            "shared_experts": 4.0 * h * fs}
     dense = {**shared, **mlp, **dict.fromkeys(moe, 0.0)}
