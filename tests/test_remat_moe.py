@@ -15,6 +15,7 @@ from jaxtrain.config import Config, ModelConfig, MoeConfig, TrainConfig
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import loss as loss_lib
 from jaxtrain.parallel import remat
+from jaxtrain.ledger import memory
 from jaxtrain.tools import hlo
 from util import random_model_params
 
@@ -88,6 +89,27 @@ def test_what_each_module_stops_saving_orders_the_temporaries(compiled):
     assert temp["selective:core_attn"] > temp["selective:core_attn,moe_act"] \
         > temp["selective:core_attn,moe"]
     assert temp["selective:core_attn"] > temp["selective:core_attn,shared_experts"]
+
+
+def test_what_each_module_saves_is_the_ledgers(compiled):
+    """The compiled temporaries each MoE module saves over selective:core_attn lie between the
+    ledger's (stored residuals less one layer re-materialised at once) and the stored residuals
+    alone: moe_act saves exactly its SwiGLU rows (the recompute fuses away), moe 79% of its
+    stored residuals here (measured: 143.8 of 182.3 KB at -O0)."""
+    temp = {p: v[2] for p, v in compiled.items()}
+    cfg = Config(model=MODEL, train=TrainConfig(seq_len=S, global_batch=B))
+    layout = ledger.Layout(micro_batch=B)
+    layers = MODEL.num_layers
+
+    def ledger_bytes(modules, working=True):
+        a = memory.stage_activations(cfg, layout, remat.parse(f"selective:{modules}"), False,
+                                     S, layers, layers)
+        return a.total if working else a.total - a.working_set
+    for module in ("moe_act", "moe"):
+        measured = temp["selective:core_attn"] - temp[f"selective:core_attn,{module}"]
+        low = ledger_bytes("core_attn") - ledger_bytes(f"core_attn,{module}")
+        high = ledger_bytes("core_attn", False) - ledger_bytes(f"core_attn,{module}", False)
+        assert 0 < low <= measured <= high * 1.001, (module, low, measured, high)
 
 
 def test_the_moe_modules_are_megatrons_names_over_our_tags():

@@ -211,6 +211,18 @@ def remat_layer_bytes(cfg: Config, layout: Layout, remat: RematConfig, flash: bo
                                   moe_dropped=dropped, checkpointed=selective)
 
 
+def selective_working_bytes(cfg: Config, layout: Layout, remat: RematConfig,
+                            seq_len: int) -> float:
+    """What a selective policy's backward re-materialises at once on top of the stored: one
+    MoE layer's dropped tags (at most: XLA frees some before the next is recomputed; on the
+    CPU compiler `moe` re-materialised 42% of a layer's at once, tests/test_remat_moe.py)."""
+    if remat.granularity != "selective" or not any(cfg.model.moe_layers):
+        return 0.0
+    layer = experts.activation_bytes_by_tag(cfg, layout, seq_len)
+    dropped = {tag for mod in remat.modules for tag in experts.MODULE_TAGS.get(mod, ())}
+    return sum(layer[tag] for tag in dropped)
+
+
 def layer_checkpoint_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
     """What full recompute keeps per layer: its input, the size of a pipeline chunk input."""
     return chunk_input_bytes(cfg, layout, seq_len)
@@ -236,7 +248,8 @@ def stage_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bo
     """
     full_layer = remat_layer_bytes(cfg, layout, remat, flash, seq_len)
     if remat.granularity != "full":
-        return Activations(full_layer, inflight, 0.0, inflight * full_layer)
+        working = selective_working_bytes(cfg, layout, remat, seq_len)
+        return Activations(full_layer, inflight, working, inflight * full_layer + working)
     ckpt = layer_checkpoint_bytes(cfg, layout, seq_len)
     k = remat.num_layers or 1
     if remat.method == "uniform":
@@ -254,10 +267,10 @@ def chunk_residual_bytes(cfg: Config, layout: Layout, remat: RematConfig, flash:
                          seq_len: int, chunk_layers: int) -> tuple[float, float]:
     """(stored, working): what one chunk's F keeps for its B for one microbatch under the
     remat config, and what its B re-materialises at once on top of that (full recompute: one
-    group's activations)."""
+    group's activations; selective: one MoE layer's recomputed tags)."""
     full_layer = remat_layer_bytes(cfg, layout, remat, flash, seq_len)
     if remat.granularity != "full":
-        return chunk_layers * full_layer, 0.0
+        return chunk_layers * full_layer, selective_working_bytes(cfg, layout, remat, seq_len)
     ckpt = layer_checkpoint_bytes(cfg, layout, seq_len)
     k = remat.num_layers or 1
     if remat.method == "uniform":
