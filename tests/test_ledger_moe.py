@@ -190,3 +190,9 @@ def test_mixtral_layout_fits_64_h100s_only_with_its_recompute():
     assert est.fits and est.remat == "selective(core_attn,moe_act)"
     assert 0.3 < est.expected_mfu[0] < est.expected_mfu[1] < 0.7
     assert est.total_bytes < est.budget_bytes <= 72 * GiB
+
+
+def test_the_mfu_breakdown_budgets_the_all_to_all_on_expert():
+    from jaxtrain.tools.mfu_breakdown import ledger_budget
+    budget = ledger_budget(MIXTRAL, 64, "h100")
+    assert budget.by_axis["expert"][0] > 0
