@@ -196,3 +196,14 @@ def test_the_mfu_breakdown_budgets_the_all_to_all_on_expert():
     from jaxtrain.tools.mfu_breakdown import ledger_budget
     budget = ledger_budget(MIXTRAL, 64, "h100")
     assert budget.by_axis["expert"][0] > 0
+
+
+def test_a_flag_that_leaves_the_expert_degree_impossible_rederives_it():
+    from jaxtrain.tools.plan_flags import flagged_estimate
+    flags = dict(tensor=8, stage=None, virtual_stages=None, context=None, micro_batch=None,
+                 expert=None)
+    est, notes = flagged_estimate(MIXTRAL, 64, ledger.get_gpu("h100"), flags)
+    assert est.layout.data == 2 and est.layout.expert in (1, 2)
+    assert "expert=8 does not divide data=2" in notes[0] and "(the recipe's 8)" in notes[0]
+    with pytest.raises(ledger.LayoutError, match="expert=8 does not divide data=2"):
+        flagged_estimate(MIXTRAL, 64, ledger.get_gpu("h100"), {**flags, "expert": 8})

@@ -2,7 +2,9 @@
 
 `layout_from_config` resolves the config's -1 fill and derives the micro-batch size
 (docs/design.md §3: global_batch = data·fsdp × micro_batch × microbatches); `validate_layout`
-checks everything that must divide, with messages that name the keys to change.
+checks everything that must divide, with messages that name the keys to change. `expert` (MoE
+expert parallelism) has no devices of its own: its ranks are carved out of `data`, the
+fastest-varying part of it (`Layout.span`).
 """
 from __future__ import annotations
 
