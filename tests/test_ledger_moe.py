@@ -207,3 +207,19 @@ def test_a_flag_that_leaves_the_expert_degree_impossible_rederives_it():
     assert "expert=8 does not divide data=2" in notes[0] and "(the recipe's 8)" in notes[0]
     with pytest.raises(ledger.LayoutError, match="expert=8 does not divide data=2"):
         flagged_estimate(MIXTRAL, 64, ledger.get_gpu("h100"), {**flags, "expert": 8})
+
+
+def test_pipeline_ranks_hold_the_moe_layers_of_their_chunks():
+    """first_k_dense=2 of 4 layers, stage 2: rank 1 holds both MoE layers; interleaved (v=2,
+    one-layer chunks 0..3 on ranks 0,1,0,1) each rank holds one of each kind."""
+    cfg = _small(MoeConfig(num_experts=8, top_k=2, first_k_dense=2))
+    m = cfg.model
+    dense = _attention_params(m) + 3 * 64 * 96
+    moe = _attention_params(m) + 64 * 8 + 8 * 3 * 64 * 96
+    edge = memory.edge_params_local(cfg, 1)        # one (padded) vocab table, the final norm
+    plain = ledger.Layout(stage=2, data=1, micro_batch=1, microbatches=16)
+    assert memory.held_moe_layers(cfg, plain, (2, 2)) == 2
+    assert memory.params_local(cfg, plain, (2, 2)) == 2 * moe + edge
+    inter = dataclasses.replace(plain, virtual_stages=2, schedule="interleaved_1f1b")
+    assert memory.held_moe_layers(cfg, inter, (2, 2)) == 1
+    assert memory.params_local(cfg, inter, (2, 2)) == moe + dense + edge

@@ -188,7 +188,7 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     counts = flops.param_counts(m)
     n_local = memory.params_local(cfg, L, stage_layers)   # every pipeline rank alike
     n_state = memory.state_params_local(cfg, L, stage_layers)
-    n_expert = memory.held_layers(L, stage_layers) * memory.expert_params_per_layer(cfg, L)
+    n_expert = memory.expert_params_held(cfg, L, stage_layers)
     memory_fields = _memory_fields(cfg, L, gpu, remat, flash, seq, stage_layers, ex, n_local,
                                    n_state, n_expert)
 

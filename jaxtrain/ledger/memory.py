@@ -70,10 +70,9 @@ def held_bytes_per_param(layout: Layout) -> dict[str, float]:
     return {"param": 2 / f, "grad": grad / f, "optimizer": OPTIMIZER_BYTES / (f * zero)}
 
 
-def layer_params_local(cfg: Config, tensor: int, expert: int = 1) -> float:
-    """Parameters of one layer held per tensor rank (KV replicated when kv_heads < t); with
-    MoE layers averaged over the dense and MoE ones (ledger.experts: E/expert experts a rank;
-    exact when every layer, or none, is MoE)."""
+def _layer_kinds_local(cfg: Config, tensor: int, expert: int) -> tuple[float, float]:
+    """(a dense layer's, an MoE layer's) parameters per device (KV replicated when
+    kv_heads < t; an MoE layer's E/expert experts, ledger.experts)."""
     m = cfg.model
     per = param_counts(m).per_layer
     kv_shards = tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
@@ -81,17 +80,42 @@ def layer_params_local(cfg: Config, tensor: int, expert: int = 1) -> float:
                  + per["norms"])
     dense = attention + (per["gate"] + per["up"] + per["down"]) / tensor
     if m.moe is None:
-        return dense
-    frac = experts.moe_fraction(cfg)
-    moe = experts.moe_layer_params_local(cfg, Layout(tensor=tensor, expert=expert), attention)
+        return dense, dense
+    return dense, experts.moe_layer_params_local(cfg, Layout(tensor=tensor, expert=expert),
+                                                 attention)
+
+
+def layer_params_local(cfg: Config, tensor: int, expert: int = 1) -> float:
+    """Parameters of one layer held per tensor rank; with MoE layers averaged over the dense
+    and MoE ones (exact when every layer, or none, is MoE)."""
+    dense, moe = _layer_kinds_local(cfg, tensor, expert)
+    frac = experts.moe_fraction(cfg) if cfg.model.moe is not None else 0.0
     return (1 - frac) * dense + frac * moe
 
 
-def expert_params_per_layer(cfg: Config, layout: Layout) -> float:
-    """Routed expert parameters per device per layer (averaged as layer_params_local)."""
+def held_moe_layers(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> int:
+    """The most MoE layers a device holds: pipeline chunk c (layer order) of
+    stage_layers[c % p] / v layers sits on rank c % p; a padded rank's padding counted as MoE
+    (an upper bound)."""
+    kinds = cfg.model.moe_layers
+    if not any(kinds):
+        return 0
+    p, v = layout.stage, layout.virtual_stages
+    counts, start = [0] * p, 0
+    for c in range(p * v):
+        size = stage_layers[c % p] // v
+        counts[c % p] += sum(kinds[start:start + size])
+        start += size
+    held = held_layers(layout, stage_layers)
+    return max(n + held - stage_layers[r] for r, n in enumerate(counts))
+
+
+def expert_params_held(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
+    """Routed expert parameters one device holds (its MoE layers' E/expert experts)."""
     if cfg.model.moe is None:
         return 0.0
-    return experts.moe_fraction(cfg) * experts.expert_params_local(cfg, layout)
+    return (held_moe_layers(cfg, layout, stage_layers)
+            * experts.expert_params_local(cfg, layout))
 
 
 def vocab_params_local(cfg: Config, tensor: int) -> float:
@@ -114,8 +138,10 @@ def held_layers(layout: Layout, stage_layers: tuple[int, ...]) -> int:
 
 
 def _layers_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
-    return held_layers(layout, stage_layers) * layer_params_local(cfg, layout.tensor,
-                                                                   layout.expert)
+    """The layers' parameters on the device holding the most MoE layers."""
+    dense, moe = _layer_kinds_local(cfg, layout.tensor, layout.expert)
+    n_moe = held_moe_layers(cfg, layout, stage_layers)
+    return n_moe * moe + (held_layers(layout, stage_layers) - n_moe) * dense
 
 
 def params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
