@@ -4,6 +4,7 @@ batched einsum, against one dense GEMM of the same total work.
     python bench/moe.py                            # GPU: Mixtral's shapes, bf16, timed
     python bench/moe.py --compile-only             # no GPU: compiled for a compile-only H100
     python bench/moe.py --quick                    # CPU smoke test: tiny shapes
+    python bench/moe.py --dispatch [--quick | --compile-only]   # the token dispatch's rows
 
 Shapes: M routed rows (tokens x top-k) over E experts of [K, N] (Mixtral 8x7B's gate/up
 projection: 16384 rows, 4096 x 14336, 8 experts). Group sizes: even, or drawn from a Dirichlet
@@ -15,6 +16,14 @@ is 2·M·K·N FLOPs whatever the grouping; "fwd+bwd" is the forward and both bac
   padded_einsum  each expert's rows gathered into [E, C, K] with C the largest group, a
                  batched einsum, scattered back (what fixed-capacity dispatch computes)
   dense          one [M, K] x [K, N] GEMM: the target (the grouped GEMM within 80% of it)
+
+Dispatch rows (--dispatch): the model's token dispatch around the experts at Mixtral's layer
+(T = 8192 tokens x D = 4096, E = 8 experts, top-2), forward and
+backward: `sort` (moe.permute: rows sorted by expert, and moe.unpermute: back and weighted by
+the router, what dropless runs around the grouped GEMM and the all-to-all) and `capacity`
+(moe.to_capacity / from_capacity: fixed [E, C, D] buffers, C = T·k/E, the fixed-size
+transport's pair), with the ledger's all-to-all bytes per MoE layer pass at expert 8 and their
+nominal time on NVLink and on the NIC (a prediction, ledger/experts.py, not a measurement).
 
 --quick runs the kernels in Mosaic GPU interpret mode: that checks them against ragged_dot,
 it is NOT a timing (interpret mode simulates every thread in Python). --compile-only reports
@@ -160,6 +169,81 @@ def compiled_rows(m, k, n, e, *, target="h100", dtype="bfloat16") -> list[dict]:
     return rows
 
 
+MIXTRAL_DISPATCH = dict(t=8192, d=4096, e=8, k=2)
+QUICK_DISPATCH = dict(t=256, d=64, e=4, k=2)
+
+
+def _dispatch_fns(t, d, e, k):
+    """{impl: (x_TD, experts_TK, weights_TK, ct_TD) -> (y_TD, grads)}: the dispatch's round
+    trip with identity experts, forward and backward."""
+    from jaxtrain.model import moe
+    cap = t * k // e
+
+    def sort(x, experts, weights):
+        x_ND, perm = moe.permute(x, experts, e)
+        return moe.unpermute(x_ND, perm.order_N, weights)
+
+    def capacity(x, experts, weights):
+        routing = moe.Routing(experts, weights, jnp.zeros((t, e), jnp.float32),
+                              jnp.zeros((t, e), jnp.float32))
+        slot, keep = moe.capacity_slots(routing, cap, "position")
+        x_ECD = moe.to_capacity(x, experts, slot, keep, e, cap)
+        return moe.from_capacity(x_ECD, experts, slot, jnp.where(keep, weights, 0.0))
+
+    def fwd_bwd(fn):
+        def run(x, experts, weights, ct):
+            y, pull = jax.vjp(lambda a, w: fn(a, experts, w), x, weights)
+            return y, pull(ct)
+        return jax.jit(run)
+    return {"sort": fwd_bwd(sort), "capacity": fwd_bwd(capacity)}
+
+
+def _dispatch_args(t, d, e, k, dtype, sharding=None):
+    if sharding is not None:
+        return [jax.ShapeDtypeStruct(s, dt, sharding=sharding) for s, dt in (
+            ((t, d), jnp.dtype(dtype)), ((t, k), jnp.int32), ((t, k), jnp.float32),
+            ((t, d), jnp.float32))]
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (t, d), jnp.float32).astype(dtype)
+    experts = jnp.argsort(jax.random.uniform(keys[1], (t, e)), axis=1)[:, :k].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(keys[2], (t, k)), axis=1)
+    return [x, experts, weights, jnp.ones((t, d), jnp.float32)]
+
+
+def _all_to_all_row(t, d, e, k, expert=8):
+    """The ledger's all-to-all of one MoE layer pass at `expert` ranks (a prediction)."""
+    from jaxtrain.config import Config, ModelConfig, MoeConfig, TrainConfig
+    from jaxtrain.ledger import get_gpu
+    from jaxtrain.ledger import experts as ledger_experts
+    from jaxtrain.ledger.layout import Layout
+    cfg = Config(model=ModelConfig(hidden_size=d, moe=MoeConfig(num_experts=e, top_k=k)),
+                 train=TrainConfig(seq_len=t, global_batch=expert))
+    moved = ledger_experts.all_to_all_pass_bytes(cfg, Layout(data=expert, expert=expert), t)
+    gpu = get_gpu("h100")
+    return dict(impl=f"all_to_all(ledger, expert={expert})", mib_per_pass=moved / 2**20,
+                nvlink_ms=moved / gpu.nvlink_bandwidth * 1e3,
+                nic_ms=moved / gpu.nic_bandwidth * 1e3)
+
+
+def dispatch_rows(t, d, e, k, *, dtype="bfloat16", iters=10, target=None) -> list[dict]:
+    """Each dispatch impl's forward+backward: timed here (a CPU timing is XLA:CPU's), or
+    compiled for `target` (its temporaries); then the ledger's all-to-all row."""
+    rows = []
+    for impl, fn in _dispatch_fns(t, d, e, k).items():
+        if target is None:
+            args = _dispatch_args(t, d, e, k, dtype)
+            sec = fp8_bench.timeit(fn, *args, reps=iters)
+            rows.append(dict(impl=impl, backend=jax.default_backend(), ms=sec * 1e3))
+        else:
+            from jax.sharding import SingleDeviceSharding
+            from jaxtrain.tools import targets
+            sh = SingleDeviceSharding(targets.devices(target, 1)[0])
+            compiled = fn.lower(*_dispatch_args(t, d, e, k, dtype, sh)).compile()
+            rows.append(dict(impl=impl, target=target,
+                             temp_mib=compiled.memory_analysis().temp_size_in_bytes / 2**20))
+    return rows + [_all_to_all_row(t, d, e, k, expert=min(8, e))]
+
+
 def format_rows(rows: list[dict]) -> str:
     out = []
     for r in rows:
@@ -185,7 +269,15 @@ def main(argv=None) -> int:
     ap.add_argument("--skew", type=float, default=0.0,
                     help="Dirichlet concentration of the group sizes (0: even)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--dispatch", action="store_true",
+                    help="the token dispatch's rows instead of the grouped GEMM's")
     args = ap.parse_args(argv)
+    if args.dispatch:
+        shape = QUICK_DISPATCH if args.quick else MIXTRAL_DISPATCH
+        target = args.target if args.compile_only else None
+        print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: dispatch {shape}")
+        print(format_rows(dispatch_rows(**shape, iters=args.iters, target=target)))
+        return 0
     if args.compile_only:
         print(format_rows(compiled_rows(**MIXTRAL, target=args.target)))
         return 0

@@ -74,6 +74,22 @@ def _claims():
     e = _configured("llama3_8b_128k.py", 16)
     yield "llama3_8b_128k.py", (f"on 16 devices {_mfu(e)} at {e.total_bytes / GiB:.0f} GiB "
                                 f"(micro-batch {e.layout.micro_batch};")
+    e = _configured("mixtral_8x7b.py", 64)
+    L = e.layout
+    assert (L.tensor, L.stage, L.expert, e.fits) == (1, 4, 8, True)
+    yield "mixtral_8x7b.py", (f"the configured row) {_mfu(e)} MFU at {e.total_bytes / GiB:.1f} of "
+                              f"{e.budget_bytes / GiB:.0f} GiB")
+    none = _configured("mixtral_8x7b.py", 64, "none")
+    assert not none.fits
+    yield "mixtral_8x7b.py", f"stash needs {none.total_bytes / GiB:.1f} GiB and does not fit"
+    yield "mixtral_8x7b.py", (f"all-to-all moves {e.comm_bytes['ep'] / GB:.1f} GB per device per "
+                              f"step over {dict(nvlink='NVLink', nic='the NIC')[e.comm_links['ep']]}")
+    pick = plan.plan(load_recipe(ROOT / "configs" / "mixtral_8x7b.py"), 64, "h100").recommended
+    L = pick.estimate.layout
+    assert pick.estimate.remat == "none"
+    yield "mixtral_8x7b.py", (f"tensor {L.tensor}, stage {L.stage} x {L.virtual_stages} virtual, "
+                              f"expert {L.expert}, no recompute: {_mfu(pick.estimate)} at "
+                              f"{pick.estimate.total_bytes / GiB:.1f} GiB")
     pick = plan.plan(load_recipe(ROOT / "configs" / "llama3_8b_128k.py"), 16, "h100").recommended
     L = pick.estimate.layout
     yield "llama3_8b_128k.py", (f"tensor {L.tensor} x context {L.context} without recompute, "

@@ -136,6 +136,10 @@ class ParallelConfig(_Section):
     first_stage_layers: int = 0  # 0: an even split (Megatron decoder-first-pipeline-num-layers)
     last_stage_layers: int = 0
     zero1: bool = False
+    # Expert parallelism (Megatron's --expert-model-parallel-size): the MoE experts sharded over
+    # `expert` ranks carved out of the data-parallel ones (attention and dense weights keep
+    # full data parallelism); it must divide data and model.moe.num_experts.
+    expert: int = 1
 
 
 @dataclasses.dataclass

@@ -3,8 +3,8 @@ and the expected step time of a parallel layout (docs/design.md §5). With pipel
 jaxtrain's lock-step executor (`ledger.pipeline`). `jaxtrain.tools.plan` searches layouts with it;
 the trainer uses `mfu`/`hfu` and `describe(estimate(...))`; the dry run compares it with XLA."""
 from jaxtrain.ledger.comm import bubble_fraction
-from jaxtrain.ledger.estimate import (Assumptions, Estimate, REMAT_VARIANTS, estimate, remat_label,
-                                      uses_flash)
+from jaxtrain.ledger.estimate import (MOE_REMAT_VARIANTS, REMAT_VARIANTS, Assumptions, Estimate,
+                                      estimate, remat_label, uses_flash)
 from jaxtrain.ledger.flops import (ParamCounts, hfu, hfu_flops_per_token, mfu,
                                    model_flops_per_token, param_counts,
                                    recompute_flops_per_token, tokens_per_step)
@@ -18,7 +18,7 @@ from jaxtrain.ledger.summary import describe
 
 __all__ = [
     "Assumptions", "BUDGET_FRACTION", "Estimate", "Executor", "GB", "GPUS", "GiB", "Gpu", "Layout",
-    "LayoutError", "ParamCounts", "REMAT_VARIANTS", "UnknownGpuError", "bubble_fraction",
+    "LayoutError", "MOE_REMAT_VARIANTS", "ParamCounts", "REMAT_VARIANTS", "UnknownGpuError", "bubble_fraction",
     "bytes_per_param", "chunk_input_bytes", "describe", "estimate", "executor",
     "get_gpu", "gpu_for_device_kind",
     "held_bytes_per_param", "hfu", "hfu_flops_per_token", "layout_from_config", "mfu",

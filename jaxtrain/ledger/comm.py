@@ -34,6 +34,10 @@ Conventions (docs/design.md §5), N_local = parameters one device holds after TP
   segment ids and positions that travel with K/V (4 bytes a token against 4·K·E/t) are left
   out. The ring's hops overlap the blocks' attention (estimate.py times each hop against its
   block).
+- EP (ledger.experts): per MoE layer pass two all-to-alls (the rows out to their experts'
+  ranks and back) of (ep-1)/ep · rows · h · 2, rows = tokens x top_k (dropless); full recompute
+  and selective `moe` re-run the forward's. The experts' gradients are reduced over the
+  data·context/ep ranks that hold the same experts (none when that is 1).
 Sequence lengths are per context rank (s/c). Volumes are in bytes; seconds use nominal links:
 an axis whose devices sit in one node (device order tensor, context, fsdp, data, stage; tensor
 fastest) uses NVLink, otherwise the node's NIC.
@@ -44,7 +48,7 @@ from typing import NamedTuple
 
 from jaxtrain.config import Config, padded_vocab
 from jaxtrain.ledger.hardware import Gpu
-from jaxtrain.ledger.layout import AXES_FAST_TO_SLOW, Layout
+from jaxtrain.ledger.layout import Layout
 from jaxtrain.ledger.pipeline import Executor, chunk_input_bytes
 
 
@@ -71,11 +75,13 @@ def bubble_fraction(stage: int, microbatches: int, virtual_stages: int = 1) -> f
     return (stage - 1) / (microbatches * virtual_stages) if stage > 1 else 0.0
 
 
-def dp_bytes(layout: Layout, n_local: float) -> float:
-    # Params are replicated over data and context, so both reduce gradients.
+def dp_bytes(layout: Layout, n_local: float, n_experts_local: float = 0.0) -> float:
+    """Params are replicated over data and context, so both reduce gradients; of them the
+    `n_experts_local` expert parameters only over the data·context/expert ranks."""
     if layout.data * layout.context == 1:
         return 0.0
-    return 2.0 * (n_local / layout.fsdp) * 2
+    n = n_local - (n_experts_local if layout.data * layout.context == layout.expert else 0.0)
+    return 2.0 * (n / layout.fsdp) * 2
 
 
 def fsdp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
@@ -191,18 +197,13 @@ def cp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes,
 
 def axis_in_node(layout: Layout, axis: str, gpu: Gpu) -> bool:
     """True when every group along `axis` sits inside one node (NVLink)."""
-    span = 1
-    for a in AXES_FAST_TO_SLOW:
-        span *= layout.degree(a)
-        if a == axis:
-            return span <= gpu.gpus_per_node
-    raise ValueError(f"unknown mesh axis {axis!r}")
+    return layout.span(axis) <= gpu.gpus_per_node
 
 
 def link(layout: Layout, axes: tuple[str, ...], gpu: Gpu) -> tuple[str, float]:
     """("nvlink" | "nic", bytes/s) for a collective over `axes` (the slowest used axis decides)."""
     used = [a for a in axes if layout.degree(a) > 1] or list(axes)
-    slowest = max(used, key=AXES_FAST_TO_SLOW.index)
+    slowest = max(used, key=layout.span)
     if axis_in_node(layout, slowest, gpu):
         return "nvlink", gpu.nvlink_bandwidth
     return "nic", gpu.nic_bandwidth
@@ -210,4 +211,4 @@ def link(layout: Layout, axes: tuple[str, ...], gpu: Gpu) -> tuple[str, float]:
 
 # Which mesh axes each kind of traffic crosses.
 COMM_AXES = {"dp": ("context", "data"), "fsdp": ("fsdp",), "tp": ("tensor",),
-             "pp": ("stage",), "vocab": ("stage",), "cp": ("context",)}
+             "pp": ("stage",), "vocab": ("stage",), "cp": ("context",), "ep": ("expert",)}

@@ -17,7 +17,9 @@ optimistic ones give the high MFU):
   nodes), times an exposed fraction: TP 0.3–1.0 (on the critical path; overlap is partial),
   DP 0.1–0.5 (overlaps the backward pass and the next forward), FSDP 0.2–0.6, PP 0.3–1.0,
   vocab 0.5–1.0 (the executor reduces them after its loop; timed in the PP loss, same axis),
-  CP all_gather 0.5–1.0 (the gather precedes the attention that needs it). The ring's CP is
+  CP all_gather 0.5–1.0 (the gather precedes the attention that needs it), EP all-to-all
+  0.5–1.0 (the experts wait for their rows; only independent work, e.g. shared experts, hides
+  it). The ring's CP is
   timed hop by hop instead: a hop is exposed by what its transfer takes beyond the attention
   block it overlaps (at the optimistic and the pessimistic kernel rate, the block's time
   counted whole or half), the last dK/dV hop of a backward pass whole.
@@ -36,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.config import Config, RematConfig
-from jaxtrain.ledger import comm, flops, memory, pipeline
+from jaxtrain.ledger import comm, experts, flops, memory, pipeline
 from jaxtrain.ledger.hardware import GB, GiB, Gpu, get_gpu
 from jaxtrain.ledger.layout import Layout, stage_layer_counts, validate_layout
 
@@ -45,7 +47,13 @@ REMAT_VARIANTS = {
     "selective": RematConfig(granularity="selective", modules=("core_attn",)),
     "full": RematConfig(granularity="full", method="uniform", num_layers=1),
 }
-COMM_KINDS = ("dp", "fsdp", "tp", "pp", "vocab", "cp")
+# What the planner also tries for a model with MoE layers: Megatron's MoE recompute modules
+# (core_attn with them: a selective policy recomputes the attention core's untagged insides).
+MOE_REMAT_VARIANTS = {
+    "moe_act": RematConfig(granularity="selective", modules=("core_attn", "moe_act")),
+    "moe": RematConfig(granularity="selective", modules=("core_attn", "moe")),
+}
+COMM_KINDS = ("dp", "fsdp", "tp", "pp", "vocab", "cp", "ep")
 _LOSS_OF = {"vocab": "pp"}   # kinds timed under another kind's loss (the same axis)
 
 
@@ -54,7 +62,8 @@ class Assumptions:
     """Exposed fraction of each kind of communication and fixed overheads: (optimistic,
     pessimistic)."""
     exposed: tuple = (("tp", (0.3, 1.0)), ("dp", (0.1, 0.5)), ("fsdp", (0.2, 0.6)),
-                      ("pp", (0.3, 1.0)), ("vocab", (0.5, 1.0)), ("cp", (0.5, 1.0)))
+                      ("pp", (0.3, 1.0)), ("vocab", (0.5, 1.0)), ("cp", (0.5, 1.0)),
+                      ("ep", (0.5, 1.0)))
     ring_overlap: tuple = (1.0, 0.5)   # the share of a ring block's attention a hop hides in
     layer_overhead_s: tuple = (50e-6, 150e-6)
     p2p_latency_s: tuple = (20e-6, 100e-6)
@@ -123,7 +132,7 @@ class Estimate:
         L = self.layout
         gib = lambda x: round(x / GiB, 3)  # noqa: E731
         out = {"tensor": L.tensor, "stage": L.stage, "data": L.data, "fsdp": L.fsdp,
-               "context": L.context, "virtual_stages": L.virtual_stages,
+               "context": L.context, "expert": L.expert, "virtual_stages": L.virtual_stages,
                "micro_batch": L.micro_batch, "microbatches": L.microbatches,
                "sequence_parallel": L.sequence_parallel, "zero1": L.zero1,
                "schedule": L.schedule, "remat": self.remat, "flash": self.flash,
@@ -180,8 +189,9 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     counts = flops.param_counts(m)
     n_local = memory.params_local(cfg, L, stage_layers)   # every pipeline rank alike
     n_state = memory.state_params_local(cfg, L, stage_layers)
+    n_expert = memory.expert_params_held(cfg, L, stage_layers)
     memory_fields = _memory_fields(cfg, L, gpu, remat, flash, seq, stage_layers, ex, n_local,
-                                   n_state)
+                                   n_state, n_expert)
 
     # FLOPs per token: causal attention counted as half (model FLOPs, MFU), and the full s×s
     # square (what XLA's attention runs)
@@ -194,12 +204,12 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     ideal = f_model * tokens / (L.n_devices * gpu.peak_flops(m.compute_dtype))
 
     passes, volumes, links, seconds = _communication(cfg, L, gpu, remat, seq, stage_layers, ex,
-                                                     n_state)
+                                                     n_state, n_expert)
 
     # expected step time
     # What runs: a flash kernel skips the masked half of the scores, XLA's attention does not.
     run_model, run_hfu = (f_model, f_hfu) if flash else (f_model_full, f_hfu_full)
-    step_flops = _step_flops(cfg, L, gpu, flash, seq, counts.layers, run_model, run_hfu)
+    step_flops = _step_flops(cfg, L, gpu, flash, seq, counts.layers_active, run_model, run_hfu)
     bubble = comm.bubble_fraction(L.stage, L.microbatches, L.virtual_stages)
     lockstep = _lockstep_bubble(cfg, L, remat, seq, stage_layers, ex)
     losses = _step_losses(cfg, L, gpu, flash, seq, stage_layers, ex, step_flops, passes, links,
@@ -225,7 +235,7 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
 
 def _memory_fields(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, flash: bool,
                    seq: int, stage_layers: tuple, ex: pipeline.Executor | None, n_local: float,
-                   n_state: float) -> dict:
+                   n_state: float, n_expert: float) -> dict:
     """The worst stage's bytes against the budget, as Estimate's memory fields (the stored
     activations also under each of REMAT_VARIANTS)."""
     L = layout
@@ -236,7 +246,7 @@ def _memory_fields(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, fl
         return memory.stage_activations(cfg, L, rm, flash, seq, cfg.model.num_layers,
                                         cfg.model.num_layers)
 
-    static = memory.static_bytes(cfg, L, n_local, n_state)
+    static = memory.static_bytes(cfg, L, n_local, n_state, n_expert)
     if ex is not None:
         for k, v in memory.pipeline_static_bytes(cfg, L, remat, stage_layers,
                                                  ex.chunk_layers).items():
@@ -261,22 +271,24 @@ def _memory_fields(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, fl
 
 
 def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, seq: int,
-                   stage_layers: tuple, ex: pipeline.Executor | None, n_state: float):
+                   stage_layers: tuple, ex: pipeline.Executor | None, n_state: float,
+                   n_expert: float):
     """Per device per step on the stage with the most layers: (the layer passes counted, bytes
     of each kind, its (link name, bytes/s), its seconds on that link at full bandwidth)."""
     L = layout
     recomputed = (flops.recomputed_layers(remat, stage_layers, L.virtual_stages)
                   / cfg.model.num_layers if remat.granularity == "full" else 0.0)
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
-    layer_local = memory.layer_params_local(cfg, L.tensor)
-    volumes = {"dp": comm.dp_bytes(L, n_state),
+    layer_local = memory.layer_params_local(cfg, L.tensor, L.expert)
+    volumes = {"dp": comm.dp_bytes(L, n_state, n_expert),
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
                + comm.fsdp_rest_bytes(cfg, L, seq),
                "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
                "vocab": comm.vocab_bytes(cfg, L),
                # the forward passes full recompute adds: the backward reuses their K/V
                "cp": comm.cp_bytes(cfg, L, seq, passes, passes.forward - comm.layer_passes(
-                   L, stage_layers, ex).forward)}
+                   L, stage_layers, ex).forward),
+               "ep": experts.all_to_all_bytes(cfg, L, remat, seq, passes)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
     seconds = {k: volumes[k] / links[k][1] for k in COMM_KINDS}
     return passes, volumes, links, seconds

@@ -2,7 +2,10 @@
 
 Model FLOPs per token = 6·N + 6·L·(H·E)·s (docs/design.md §5): N counts every parameter except
 the input embedding (the lm_head is a matmul, so it counts; with tied embeddings the one table
-is the lm_head and N equals the total), H·E is the query width (the hidden size for Llama),
+is the lm_head and N equals the total; of an MoE layer's experts only the top_k a token
+activates, as Megatron's num_floating_point_operations counts them: router h·E, top_k x the
+expert SwiGLU 3·h·F_e, the shared experts' 3·h·F_s, so MFU counts activated work, never every
+expert), H·E is the query width (the hidden size for Llama),
 s the sequence length. The attention term counts the causal half of the s×s products, as
 Megatron-LM's and MaxText's FLOP counters now do; `causal=False` gives the full square of
 PaLM's and Megatron's papers (12·L·(H·E)·s), which is also what XLA's attention computes, so
@@ -20,19 +23,40 @@ from jaxtrain.ledger.layout import stage_layer_counts
 
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
-    per_layer: dict            # q, k, v, o, gate, up, down, norms -> parameters in one layer
+    per_layer: dict            # q, k, v, o, gate, up, down, norms -> parameters of a dense layer
     embedding: int             # input table, V·h
     lm_head: int               # V·h, 0 when tied to the embedding
     final_norm: int
     num_layers: int
+    # An MoE layer's (model.moe): q, k, v, o, norms, router (h·E), experts (all E of them:
+    # E·3·h·F_e), shared (3·h·F_s); empty without MoE layers.
+    per_moe_layer: dict = dataclasses.field(default_factory=dict)
+    moe_layers: int = 0
+    active_expert_fraction: float = 1.0   # top_k / num_experts: what a token runs of "experts"
 
     @property
-    def layer(self) -> int:
-        return sum(self.per_layer.values())
+    def dense_layers(self) -> int:
+        return self.num_layers - self.moe_layers
 
     @property
     def layers(self) -> int:
-        return self.num_layers * self.layer
+        return self.dense_layers * sum(self.per_layer.values()) + self.moe_layers * sum(
+            self.per_moe_layer.values())
+
+    @property
+    def layers_active(self) -> float:
+        """The layers' parameters a token's forward multiplies by: the top_k experts only."""
+        idle = self.per_moe_layer.get("experts", 0) * (1 - self.active_expert_fraction)
+        return self.layers - self.moe_layers * idle
+
+    @property
+    def layer(self) -> float:
+        """A layer's parameters, averaged over the dense and MoE layers."""
+        return self.layers / self.num_layers
+
+    @property
+    def layer_active(self) -> float:
+        return self.layers_active / self.num_layers
 
     @property
     def total(self) -> int:
@@ -40,19 +64,33 @@ class ParamCounts:
 
     @property
     def non_embedding(self) -> int:
-        """N of the FLOPs formula: without the input embedding unless it doubles as lm_head."""
+        """N without the input embedding unless it doubles as lm_head (every expert counted)."""
         return self.total - (self.embedding if self.lm_head else 0)
+
+    @property
+    def active_non_embedding(self) -> float:
+        """N of the FLOPs formula: non_embedding with only the activated experts."""
+        return self.non_embedding - self.layers + self.layers_active
 
 
 def param_counts(model: ModelConfig) -> ParamCounts:
     h, E, F = model.hidden_size, model.resolved_head_dim, model.mlp_size
     H, K = model.num_heads, model.num_kv_heads
-    per_layer = {"q": h * H * E, "k": h * K * E, "v": h * K * E, "o": H * E * h,
-                 "gate": h * F, "up": h * F, "down": F * h, "norms": 2 * h}
+    attention = {"q": h * H * E, "k": h * K * E, "v": h * K * E, "o": H * E * h,
+                 "norms": 2 * h}
+    per_layer = {**attention, "gate": h * F, "up": h * F, "down": F * h}
     table = model.vocab_size * h
+    moe, n_moe, active = {}, sum(model.moe_layers), 1.0
+    if n_moe:
+        e = model.moe
+        moe = {**attention, "router": h * e.num_experts,
+               "experts": e.num_experts * 3 * h * model.expert_mlp_size,
+               "shared": 3 * h * model.shared_mlp_size}
+        active = e.top_k / e.num_experts
     return ParamCounts(per_layer=per_layer, embedding=table,
                        lm_head=0 if model.tie_embeddings else table, final_norm=h,
-                       num_layers=model.num_layers)
+                       num_layers=model.num_layers, per_moe_layer=moe, moe_layers=n_moe,
+                       active_expert_fraction=active)
 
 
 def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
@@ -84,31 +122,44 @@ def attention_flops_per_token(model: ModelConfig, seq_len: int, *, causal: bool 
 def model_flops_per_token(cfg: Config, seq_len: int | None = None, *,
                           causal: bool = True) -> float:
     """6·N + 6·L·h·s (causal; 12·L·h·s with causal=False), forward plus backward, no
-    recompute."""
+    recompute; N with the activated experts only (ParamCounts.active_non_embedding)."""
     seq_len = seq_len or cfg.train.seq_len
-    return (6.0 * param_counts(cfg.model).non_embedding
+    return (6.0 * param_counts(cfg.model).active_non_embedding
             + attention_flops_per_token(cfg.model, seq_len, causal=causal))
 
 
 # Forward FLOPs per token per layer that recomputing each tagged activation re-runs
-# (docs/design.md §3 tags; "mlp" and "layernorm" are Megatron's --recompute-modules names).
+# (docs/design.md §3 tags; "mlp" and "layernorm" are Megatron's --recompute-modules names),
+# for a dense layer and for an MoE layer (no dense MLP; "moe_act", "moe" and "shared_experts"
+# are Megatron's MoE modules, ledger.experts.MODULE_TAGS).
 # Norms, RoPE and the SwiGLU product are elementwise: not counted, as in model FLOPs.
-def _module_flops(model: ModelConfig, seq_len: int, causal: bool) -> dict[str, float]:
+def _module_flops(model: ModelConfig, seq_len: int, causal: bool,
+                  rows_per_token: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
     h, E, F = model.hidden_size, model.resolved_head_dim, model.mlp_size
     H, K = model.num_heads, model.num_kv_heads
     attn = 4.0 * H * E * seq_len * _attention_fraction(causal)
-    return {"layer_input": 0.0, "attn_norm": 0.0, "mlp_norm": 0.0, "mlp_act": 0.0,
-            "layernorm": 0.0,
-            "qkv_proj": 2.0 * h * (H + 2 * K) * E, "core_attn": attn,
-            "core_attn_out": attn,   # QK^T and PV (remat.MODULES)
-            "attn_out": 2.0 * H * E * h, "mlp_in": 4.0 * h * F, "mlp_out": 2.0 * F * h,
-            "mlp": 6.0 * h * F}
+    shared = {"layer_input": 0.0, "attn_norm": 0.0, "mlp_norm": 0.0, "layernorm": 0.0,
+              "qkv_proj": 2.0 * h * (H + 2 * K) * E, "core_attn": attn,
+              "core_attn_out": attn,   # QK^T and PV (remat.MODULES)
+              "attn_out": 2.0 * H * E * h}
+    mlp = {"mlp_act": 0.0, "mlp_in": 4.0 * h * F, "mlp_out": 2.0 * F * h, "mlp": 6.0 * h * F}
+    fe, fs, r = model.expert_mlp_size, model.shared_mlp_size, rows_per_token
+    # moe_out and moe re-run the down projection: the router weights' gradient reads its rows.
+    # The router's GEMM (2·h·E) re-runs under every selective policy, as the attention core's
+    # insides do (its untagged logits feed the softmax's backward): no module's own.
+    moe = {"moe_router": 0.0, "moe_in": 4.0 * h * fe * r, "moe_act": 0.0,
+           "moe_out": 2.0 * fe * h * r, "moe": 6.0 * h * fe * r,
+           "shared_in": 4.0 * h * fs, "shared_act": 0.0, "shared_out": 2.0 * fs * h,
+           "shared_experts": 4.0 * h * fs}
+    dense = {**shared, **mlp, **dict.fromkeys(moe, 0.0)}
+    return dense, {**shared, **dict.fromkeys(mlp, 0.0), **moe}
 
 
 def layer_forward_flops_per_token(model: ModelConfig, seq_len: int, *,
                                   causal: bool = True) -> float:
-    """One layer's forward per token: 2·(layer params) + 4·(H·E)·s (QK^T and PV; half causal)."""
-    return (2.0 * param_counts(model).layer + 4.0 * model.num_heads * model.resolved_head_dim
+    """One layer's forward per token: 2·(layer params) + 4·(H·E)·s (QK^T and PV; half causal),
+    the activated params averaged over dense and MoE layers."""
+    return (2.0 * param_counts(model).layer_active + 4.0 * model.num_heads * model.resolved_head_dim
             * seq_len * _attention_fraction(causal))
 
 
@@ -160,11 +211,25 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
         stage_layers = stage_layers or (m.num_layers,)
         n = recomputed_layers(remat, stage_layers, virtual_stages)
         return n * layer_forward_flops_per_token(m, seq_len, causal=causal)
-    table = _module_flops(m, seq_len, causal)
-    unknown = [x for x in remat.modules if x not in table]
+    counts = param_counts(m)
+    dense, moe = _module_flops(m, seq_len, causal, expert_rows_per_token(m))
+    unknown = [x for x in remat.modules if x not in dense]
     if unknown:
-        raise ConfigError(f"remat.modules has unknown {unknown}; known: {', '.join(table)}")
-    return m.num_layers * sum(table[x] for x in set(remat.modules))
+        raise ConfigError(f"remat.modules has unknown {unknown}; known: {', '.join(dense)}")
+    return sum(n * sum(table[x] for x in set(remat.modules))
+               for n, table in ((counts.dense_layers, dense), (counts.moe_layers, moe)))
+
+
+def expert_rows_per_token(m: ModelConfig) -> float:
+    """Expert GEMM rows per token (0 without MoE): top_k dropless (Megatron's FLOP count),
+    top_k·capacity_factor when every [E, C] slot runs, min(top_k, that) for capacity's kept
+    rows."""
+    e = m.moe
+    if e is None:
+        return 0.0
+    if e.dispatch == "dropless":
+        return float(e.top_k)
+    return e.top_k * (e.capacity_factor if e.pad_to_capacity else min(1.0, e.capacity_factor))
 
 
 def hfu_flops_per_token(cfg: Config, remat: RematConfig | None = None,

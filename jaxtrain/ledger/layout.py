@@ -2,7 +2,9 @@
 
 `layout_from_config` resolves the config's -1 fill and derives the micro-batch size
 (docs/design.md §3: global_batch = data·fsdp × micro_batch × microbatches); `validate_layout`
-checks everything that must divide, with messages that name the keys to change.
+checks everything that must divide, with messages that name the keys to change. `expert` (MoE
+expert parallelism) has no devices of its own: its ranks are carved out of `data`, the
+fastest-varying part of it (`Layout.span`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Layout:
     sequence_parallel: bool = False
     zero1: bool = False
     schedule: str = "1f1b"    # gpipe | 1f1b | interleaved_1f1b (the one with virtual_stages > 1)
+    expert: int = 1           # expert ranks, carved out of data (no devices of their own)
 
     @property
     def n_devices(self) -> int:
@@ -45,6 +48,18 @@ class Layout:
     def degree(self, axis: str) -> int:
         return getattr(self, axis)
 
+    def span(self, axis: str) -> int:
+        """Consecutive devices one group along `axis` covers (device order AXES_FAST_TO_SLOW;
+        the expert ranks are the fastest part of data, as Megatron orders tp-cp-ep-dp-pp)."""
+        if axis == "expert":
+            return self.tensor * self.context * self.fsdp * self.expert
+        span = 1
+        for a in AXES_FAST_TO_SLOW:
+            span *= self.degree(a)
+            if a == axis:
+                return span
+        raise ValueError(f"unknown mesh axis {axis!r}")
+
     def short(self) -> str:
         parts = [f"tensor={self.tensor}{'+SP' if self.sequence_parallel else ''}",
                  f"stage={self.stage}" + (f"x{self.virtual_stages}v" if self.virtual_stages > 1
@@ -54,6 +69,8 @@ class Layout:
             parts.append(f"fsdp={self.fsdp}")
         if self.context > 1:
             parts.append(f"context={self.context}")
+        if self.expert > 1:
+            parts.append(f"expert={self.expert}")
         parts.append(f"micro_batch={self.micro_batch} x {self.microbatches} microbatches")
         return " ".join(parts)
 
@@ -94,7 +111,7 @@ def layout_from_config(cfg: Config, n_devices: int) -> Layout:
                     virtual_stages=p.virtual_stages,
                     micro_batch=cfg.train.global_batch // per_step, microbatches=p.microbatches,
                     sequence_parallel=p.sequence_parallel and sizes["tensor"] > 1,
-                    zero1=p.zero1, schedule=p.schedule)
+                    zero1=p.zero1, schedule=p.schedule, expert=p.expert)
     validate_layout(cfg, layout, n_devices)
     return layout
 
@@ -105,7 +122,7 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
     m, L = cfg.model, layout
     seq_len = seq_len or cfg.train.seq_len
     for name in ("tensor", "stage", "data", "fsdp", "context", "virtual_stages", "micro_batch",
-                 "microbatches"):
+                 "microbatches", "expert"):
         if getattr(L, name) < 1:
             raise LayoutError(f"{name}={getattr(L, name)} must be a positive integer")
     if n_devices is not None and L.n_devices != n_devices:
@@ -121,6 +138,7 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
                           "the other (KV heads are sharded, or replicated when fewer than t)")
     if m.mlp_size % t:
         raise LayoutError(f"model.mlp_size={m.mlp_size} is not divisible by tensor={t}")
+    check_expert_split(cfg, L.expert, L.data)
     check_context_split(seq_len, L.context, cfg.parallel.context_load_balance, LayoutError)
     if L.sequence_parallel and (seq_len // L.context) % t:
         raise LayoutError(f"seq_len/context={seq_len // L.context} is not divisible by tensor={t}"
@@ -139,6 +157,22 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
             f"data*fsdp*micro_batch*microbatches = {L.data}*{L.fsdp}*{L.micro_batch}*"
             f"{L.microbatches} = {L.global_batch} but train.global_batch="
             f"{cfg.train.global_batch}; change the micro-batch, the microbatches or the batch")
+
+
+def check_expert_split(cfg: Config, expert: int, data: int) -> None:
+    """Expert ranks need MoE layers, a divisor of the experts and of the data degree."""
+    if expert == 1:
+        return
+    e = cfg.model.moe
+    if e is None or not any(cfg.model.moe_layers):
+        raise LayoutError(f"expert={expert} with no MoE layer: expert parallelism shards "
+                          "model.moe's experts; set model.moe or expert=1")
+    if e.num_experts % expert:
+        raise LayoutError(f"model.moe.num_experts={e.num_experts} is not divisible by expert="
+                          f"{expert}; choose an expert degree among {divisors(e.num_experts)}")
+    if data % expert:
+        raise LayoutError(f"expert={expert} does not divide data={data} (the expert ranks are "
+                          f"carved out of the data-parallel ones); choose among {divisors(data)}")
 
 
 def stage_layer_counts(cfg: Config, stage: int, virtual_stages: int = 1) -> tuple[int, ...]:

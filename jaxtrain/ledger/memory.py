@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.config import Config, RematConfig, padded_vocab
+from jaxtrain.ledger import experts
 from jaxtrain.ledger.flops import param_counts
 from jaxtrain.ledger.hardware import GiB
 from jaxtrain.ledger.layout import Layout
@@ -90,13 +91,52 @@ def fp8_meta_bytes(cfg: Config) -> float:
     return cfg.model.num_layers * projections * 3 * (2 + cfg.fp8.amax_history_len) * 4
 
 
-def layer_params_local(cfg: Config, tensor: int) -> float:
-    """Parameters of one layer held per tensor rank (KV replicated when kv_heads < t)."""
+def _layer_kinds_local(cfg: Config, tensor: int, expert: int) -> tuple[float, float]:
+    """(a dense layer's, an MoE layer's) parameters per device (KV replicated when
+    kv_heads < t; an MoE layer's E/expert experts, ledger.experts)."""
     m = cfg.model
     per = param_counts(m).per_layer
     kv_shards = tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
-    return ((per["q"] + per["o"] + per["gate"] + per["up"] + per["down"]) / tensor
-            + (per["k"] + per["v"]) / kv_shards + per["norms"])
+    attention = ((per["q"] + per["o"]) / tensor + (per["k"] + per["v"]) / kv_shards
+                 + per["norms"])
+    dense = attention + (per["gate"] + per["up"] + per["down"]) / tensor
+    if m.moe is None:
+        return dense, dense
+    return dense, experts.moe_layer_params_local(cfg, Layout(tensor=tensor, expert=expert),
+                                                 attention)
+
+
+def layer_params_local(cfg: Config, tensor: int, expert: int = 1) -> float:
+    """Parameters of one layer held per tensor rank; with MoE layers averaged over the dense
+    and MoE ones (exact when every layer, or none, is MoE)."""
+    dense, moe = _layer_kinds_local(cfg, tensor, expert)
+    frac = experts.moe_fraction(cfg) if cfg.model.moe is not None else 0.0
+    return (1 - frac) * dense + frac * moe
+
+
+def held_moe_layers(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> int:
+    """The most MoE layers a device holds: pipeline chunk c (layer order) of
+    stage_layers[c % p] / v layers sits on rank c % p; a padded rank's padding counted as MoE
+    (an upper bound)."""
+    kinds = cfg.model.moe_layers
+    if not any(kinds):
+        return 0
+    p, v = layout.stage, layout.virtual_stages
+    counts, start = [0] * p, 0
+    for c in range(p * v):
+        size = stage_layers[c % p] // v
+        counts[c % p] += sum(kinds[start:start + size])
+        start += size
+    held = held_layers(layout, stage_layers)
+    return max(n + held - stage_layers[r] for r, n in enumerate(counts))
+
+
+def expert_params_held(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
+    """Routed expert parameters one device holds (its MoE layers' E/expert experts)."""
+    if cfg.model.moe is None:
+        return 0.0
+    return (held_moe_layers(cfg, layout, stage_layers)
+            * experts.expert_params_local(cfg, layout))
 
 
 def vocab_params_local(cfg: Config, tensor: int) -> float:
@@ -112,9 +152,17 @@ def edge_params_local(cfg: Config, tensor: int) -> float:
     return padded_vocab(m.vocab_size, tensor) * m.hidden_size / tensor + m.hidden_size
 
 
-def _layers_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
+def held_layers(layout: Layout, stage_layers: tuple[int, ...]) -> int:
+    """Layers a device holds: v chunks of the largest chunk (padding included)."""
     v = layout.virtual_stages
-    return v * (max(stage_layers) // v) * layer_params_local(cfg, layout.tensor)
+    return v * (max(stage_layers) // v)
+
+
+def _layers_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
+    """The layers' parameters on the device holding the most MoE layers."""
+    dense, moe = _layer_kinds_local(cfg, layout.tensor, layout.expert)
+    n_moe = held_moe_layers(cfg, layout, stage_layers)
+    return n_moe * moe + (held_layers(layout, stage_layers) - n_moe) * dense
 
 
 def params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
@@ -133,23 +181,30 @@ def state_params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...
 
 
 def static_bytes(cfg: Config, layout: Layout, n_local: float,
-                 n_state: float | None = None) -> dict[str, float]:
+                 n_state: float | None = None, n_expert: float = 0.0) -> dict[str, float]:
     """Bytes by static term (STATIC_TERMS) for `n_local` parameters computed with and
-    `n_state` (default the same) whose master and moments a device holds."""
+    `n_state` (default the same) whose master and moments a device holds, `n_expert` of
+    them routed experts."""
     per = held_bytes_per_param(layout)
     n_state = n_local if n_state is None else n_state
     out = {k: (n_state if k in ("master", "moments") else n_local) * v for k, v in per.items()}
+    if layout.zero1 and layout.expert > 1 and n_expert:
+        # ZeRO-1 shards the experts' state over their own data ranks, data·context/expert.
+        extra = n_expert / layout.fsdp * (
+            1 / experts.expert_data_ranks(layout) - 1 / (layout.data * layout.context))
+        out["master"] += 4 * extra
+        out["moments"] += 8 * extra
     if layout.stage == 1:
         # fused (executors/replica.fuses): one layer's compute-dtype gradient on its way into
         # the accumulator; else, with microbatches to add up, the stack's
         fused = layout.context == 1 and not any(cfg.model.moe_layers)
-        grad_params = (layer_params_local(cfg, layout.tensor) if fused
+        grad_params = (layer_params_local(cfg, layout.tensor, layout.expert) if fused
                        else n_local if layout.microbatches > 1 else 0.0)
         out["gradients"] = grad_params * _compute_bytes(cfg) / layout.fsdp
     out["fp8_meta"] = fp8_meta_bytes(cfg)
     # FSDP all-gathers a layer's bf16 weights before use; two layers in flight for prefetch.
-    out["other"] = (2 * 2 * layer_params_local(cfg, layout.tensor) if layout.fsdp > 1
-                    else 0.0)
+    out["other"] = (2 * 2 * layer_params_local(cfg, layout.tensor, layout.expert)
+                    if layout.fsdp > 1 else 0.0)
     return out
 
 
@@ -163,7 +218,8 @@ def _act_scale(cfg: Config) -> float:
 
 
 def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *, flash: bool,
-                           recompute_scores: bool = False) -> float:
+                           recompute_scores: bool = False, moe_dropped: frozenset = frozenset(),
+                           checkpointed: bool = False) -> float:
     """Activations one layer keeps for its backward, per microbatch, as jaxtrain's layer
     stores them (calibrated on the GPU compiler's buffer assignment, tests/gpu):
 
@@ -178,7 +234,10 @@ def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *, flash: 
       bytes per score per head x1.2, calibrated on XLA:CPU, unless selective remat
       recomputes them (`recompute_scores`);
     - under context parallelism (c > 1) no scores but the LSE, whatever the core; with cuDNN
-      (all_gather) the other c-1 shards' K and V too (jax's cuDNN backward keeps its inputs).
+      (all_gather) the other c-1 shards' K and V too (jax's cuDNN backward keeps its inputs);
+    - an MoE layer stores its experts' side instead of the SwiGLU (ledger.experts, by tag,
+      less the `moe_dropped` tags; `checkpointed`: under a checkpoint policy), averaged over
+      the layers with the dense ones.
 
     2 bytes per element in bf16/fp16, 4 in float32.
     """
@@ -194,9 +253,37 @@ def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *, flash: 
     flash = flash or c > 1
     lse = 4 * sb * m.num_heads / t if flash else 0.0  # fp32 whatever the dtype
     mlp = 3 * 2 * sb * m.mlp_size / t
+    if m.moe is not None:
+        frac = experts.moe_fraction(cfg)
+        mlp = (1 - frac) * mlp + frac * experts.stored_bytes(cfg, layout, seq_len, moe_dropped,
+                                                             checkpointed) / _act_scale(cfg)
     scores = 0.0 if flash or recompute_scores else (
         5.0 * m.num_heads * s_local * seq_len * layout.micro_batch / t * SCORE_MARGIN)
     return (stream + attention + mlp + scores) * _act_scale(cfg) + lse
+
+
+def remat_layer_bytes(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,
+                      seq_len: int) -> float:
+    """layer_activation_bytes under a remat config's selective choice (full recompute's
+    groups re-materialise the whole layer: the choice's none)."""
+    selective = remat.granularity == "selective"
+    dropped = frozenset(tag for mod in remat.modules for tag in experts.MODULE_TAGS.get(mod, ())
+                        ) if selective else frozenset()
+    return layer_activation_bytes(cfg, layout, seq_len, flash=flash,
+                                  recompute_scores=selective and "core_attn" in remat.modules,
+                                  moe_dropped=dropped, checkpointed=selective)
+
+
+def selective_working_bytes(cfg: Config, layout: Layout, remat: RematConfig,
+                            seq_len: int) -> float:
+    """What a selective policy's backward re-materialises at once on top of the stored: one
+    MoE layer's dropped tags (at most: XLA frees some before the next is recomputed; on the
+    CPU compiler `moe` re-materialised 42% of a layer's at once, tests/test_remat_moe.py)."""
+    if remat.granularity != "selective" or not any(cfg.model.moe_layers):
+        return 0.0
+    layer = experts.activation_bytes_by_tag(cfg, layout, seq_len)
+    dropped = {tag for mod in remat.modules for tag in experts.MODULE_TAGS.get(mod, ())}
+    return sum(layer[tag] for tag in dropped)
 
 
 def layer_checkpoint_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
@@ -218,14 +305,14 @@ def stage_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bo
     """Activation bytes one device of a stage holds under a remat config: `inflight`
     layer-microbatches of a stage of `n_layers` layers (v chunks).
 
-    Of the selective modules only core_attn is credited (its s×s scores); recomputing other
-    tagged activations is counted in HFU but not subtracted here, so memory is an upper bound.
+    Of the selective modules core_attn (its s×s scores) and the MoE ones are credited;
+    recomputing the dense layers' other tagged activations is counted in HFU but not
+    subtracted here, so memory is an upper bound.
     """
-    selective_attn = remat.granularity == "selective" and "core_attn" in remat.modules
-    full_layer = layer_activation_bytes(cfg, layout, seq_len, flash=flash,
-                                        recompute_scores=selective_attn)
+    full_layer = remat_layer_bytes(cfg, layout, remat, flash, seq_len)
     if remat.granularity != "full":
-        return Activations(full_layer, inflight, 0.0, inflight * full_layer)
+        working = selective_working_bytes(cfg, layout, remat, seq_len)
+        return Activations(full_layer, inflight, working, inflight * full_layer + working)
     ckpt = layer_checkpoint_bytes(cfg, layout, seq_len)
     k = remat.num_layers or 1
     if remat.method == "uniform":
@@ -243,12 +330,10 @@ def chunk_residual_bytes(cfg: Config, layout: Layout, remat: RematConfig, flash:
                          seq_len: int, chunk_layers: int) -> tuple[float, float]:
     """(stored, working): what one chunk's F keeps for its B for one microbatch under the
     remat config, and what its B re-materialises at once on top of that (full recompute: one
-    group's activations)."""
-    selective_attn = remat.granularity == "selective" and "core_attn" in remat.modules
-    full_layer = layer_activation_bytes(cfg, layout, seq_len, flash=flash,
-                                        recompute_scores=selective_attn)
+    group's activations; selective: one MoE layer's recomputed tags)."""
+    full_layer = remat_layer_bytes(cfg, layout, remat, flash, seq_len)
     if remat.granularity != "full":
-        return chunk_layers * full_layer, 0.0
+        return chunk_layers * full_layer, selective_working_bytes(cfg, layout, remat, seq_len)
     ckpt = layer_checkpoint_bytes(cfg, layout, seq_len)
     k = remat.num_layers or 1
     if remat.method == "uniform":
@@ -266,7 +351,7 @@ def chunk_weight_copy_bytes(cfg: Config, layout: Layout, remat: RematConfig,
     mixed = fp8.enabled and (fp8.bf16_first_layers or fp8.bf16_last_layers)
     if remat.granularity == "full" or not (len(set(stage_layers)) > 1 or mixed):
         return 0.0
-    return (chunk_layers * layer_params_local(cfg, layout.tensor)
+    return (chunk_layers * layer_params_local(cfg, layout.tensor, layout.expert)
             * DTYPE_BYTES[cfg.model.compute_dtype])
 
 
@@ -278,7 +363,7 @@ def pipeline_static_bytes(cfg: Config, layout: Layout, remat: RematConfig,
     microbatch's at once); other, with virtual stages the F's and the B's slice of their chunk
     out of the rank's v (a dynamic index: XLA copies it), and the copy a per-layer switch
     makes (chunk_weight_copy_bytes)."""
-    weights = (chunk_layers * layer_params_local(cfg, layout.tensor)
+    weights = (chunk_layers * layer_params_local(cfg, layout.tensor, layout.expert)
                * DTYPE_BYTES[cfg.model.compute_dtype])
     return {"gradients": weights,
             "other": (weights * (2 if layout.virtual_stages > 1 else 0)
@@ -311,13 +396,13 @@ def reserve_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
     writes the compute dtype; the fp32 softmax and its gradient fuse into it) and an fp32
     s·b·h (the GPU compiler's buffer assignment of Llama 3 8B at 8K and 64K tokens, within
     1-8%: tests/test_gpu_compile.py), plus a workspace for cuBLAS/NCCL that scales with the
-    hidden size (6 GiB at h=8192), which a compiled step's static buffers never contain.
-    Per context rank: s/c tokens."""
+    hidden size (6 GiB at h=8192), which a compiled step's static buffers never contain, and
+    with expert ranks one MoE layer's all-to-all buffers. Per context rank: s/c tokens."""
     m = cfg.model
     tokens = seq_len / layout.context * layout.micro_batch
     logits = tokens * (_compute_bytes(cfg) * padded_vocab(m.vocab_size, layout.tensor)
                        / layout.tensor + 4 * m.hidden_size)
-    return logits + workspace_bytes(cfg)
+    return logits + workspace_bytes(cfg) + experts.dispatch_buffer_bytes(cfg, layout, seq_len)
 
 
 def _compute_bytes(cfg: Config) -> int:

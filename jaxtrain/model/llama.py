@@ -150,8 +150,10 @@ class Attention(nnx.Module):
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, rngs, size: int = 0, name: str = "blocks/mlp"):
-        """A SwiGLU of `size` (default model.mlp_size); the MoE's shared experts are one."""
+    def __init__(self, cfg: ModelConfig, ops: Ops, rngs, size: int = 0, name: str = "blocks/mlp",
+                 tag: str = "mlp"):
+        """A SwiGLU of `size` (default model.mlp_size); the MoE's shared experts are one (their
+        remat tags `tag`_in, _act, _out: shared_*, apart from the dense MLP's)."""
         d, f = cfg.hidden_size, size or cfg.mlp_size
         kw = dict(cfg=cfg, ops=ops, rngs=rngs)
         self.w_gate = Dense((d,), (f,), ("embed", "mlp"), std=1.0 / math.sqrt(d),
@@ -162,17 +164,18 @@ class Mlp(nnx.Module):
                             std=1.0 / math.sqrt(f * 2 * cfg.num_layers), name=f"{name}/w_down",
                             **kw)
         self.ops = ops
+        self.tag = tag
 
     def __call__(self, x_BSD, fp8: bool = False):
         """x_BSD: the norm output, split over the sequence under sequence parallelism."""
-        c = self.ops.constrain
+        c, t = self.ops.constrain, self.tag
         gate_BSF, up_BSF = project_gathered(gather_sequence(c), x_BSD,
                                             (self.w_gate, self.w_up), fp8)
-        gate_BSF = c(checkpoint_name(gate_BSF, "mlp_in"), ("batch", "sequence", "mlp"))
-        up_BSF = c(checkpoint_name(up_BSF, "mlp_in"), ("batch", "sequence", "mlp"))
-        h_BSF = checkpoint_name(swiglu(gate_BSF, up_BSF), "mlp_act")
+        gate_BSF = c(checkpoint_name(gate_BSF, f"{t}_in"), ("batch", "sequence", "mlp"))
+        up_BSF = c(checkpoint_name(up_BSF, f"{t}_in"), ("batch", "sequence", "mlp"))
+        h_BSF = checkpoint_name(swiglu(gate_BSF, up_BSF), f"{t}_act")
         return checkpoint_name(project_scattered(gather_sequence(c), split_sequence(c), h_BSF,
-                                                 self.w_down, fp8), "mlp_out")
+                                                 self.w_down, fp8), f"{t}_out")
 
 
 class Block(nnx.Module):
@@ -184,7 +187,8 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, ops, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
         if moe:
-            shared = (Mlp(cfg, ops, rngs, size=cfg.shared_mlp_size, name="blocks/moe/shared")
+            shared = (Mlp(cfg, ops, rngs, size=cfg.shared_mlp_size, name="blocks/moe/shared",
+                          tag="shared")
                       if cfg.shared_mlp_size else None)
             self.moe = moe_lib.MoeLayer(cfg, ops, rngs, shared=shared)
         else:

@@ -43,10 +43,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.model.layers import normal, param, swiglu
 
-# Remat tags of the MoE layer (Megatron's recompute vocabulary: moe_act, moe, shared_experts):
-# the router's choices, the experts' in-projections (sorted rows), their SwiGLU, their
-# out-projections, the shared experts' output and the layer's output.
-REMAT_TAGS = ("moe_router", "moe_in", "moe_act", "moe_out", "shared_experts", "moe")
+# Remat tags of the MoE layer (Megatron's recompute vocabulary: moe_act, moe, shared_experts;
+# remat.MODULES maps those onto these): the router's choices, the experts' in-projections
+# (sorted rows), their SwiGLU, their out-projections, the shared experts' gate/up, SwiGLU and
+# down projection (llama.Mlp with tag "shared") and output, and the layer's output.
+REMAT_TAGS = ("moe_router", "moe_in", "moe_act", "moe_out", "shared_in", "shared_act",
+              "shared_out", "shared_experts", "moe")
 
 F32 = jnp.float32
 

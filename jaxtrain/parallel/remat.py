@@ -33,6 +33,15 @@ tag, every selective policy recomputes them, with or without `core_attn` in the 
 Megatron, `modules=[mlp]` does not keep the s×s probabilities (they would need a tag inside
 jaxtrain.model.attention). `mlp` drops gate/up/act: gate and up are recomputed, the down projection
 is not (its output feeds nothing the backward needs). `layernorm` drops both norm outputs.
+
+MoE layers (Megatron's MoE modules, model/moe.py's tags): `moe_act` drops the experts' SwiGLU
+(recomputed from the saved gate and up, no matmul); `moe` the whole routed part, router
+choices, gate/up, SwiGLU and expert outputs (all three expert GEMMs and, under expert
+parallelism, the dispatch re-run in the backward: the combine's weight gradient needs the
+expert outputs); `shared_experts` the shared experts' gate/up and SwiGLU (gate and up re-run).
+The router's GEMM re-runs under every selective policy (its logits are untagged, like the
+attention core's insides). The dense MLP's tags do not touch the shared experts (theirs are
+shared_*).
 """
 from __future__ import annotations
 
@@ -45,16 +54,24 @@ import jax.numpy as jnp
 
 from jaxtrain import compat
 from jaxtrain.config import ConfigError, RematConfig
-from jaxtrain.model.llama import REMAT_TAGS, scan_layers
+from jaxtrain.ledger.experts import MODULE_TAGS as MOE_MODULES
+from jaxtrain.model import llama, moe
+from jaxtrain.model.llama import scan_layers
 
-# remat.modules -> the tags it stops saving: Megatron's --recompute-modules names first, then
-# our finer tags (see the module docstring for why core_attn drops none).
+# Every tag a layer's activations carry: the dense block's, then the MoE layer's.
+REMAT_TAGS = llama.REMAT_TAGS + moe.REMAT_TAGS
+
+# remat.modules -> the tags it stops saving: Megatron's --recompute-modules names first (its
+# MoE ones: moe_act, moe, shared_experts), then our finer tags (see the module docstring for
+# why core_attn drops none).
 MODULES: dict[str, tuple[str, ...]] = {
     "core_attn": (),
     "mlp": ("mlp_in", "mlp_act", "mlp_out"),
     "layernorm": ("attn_norm", "mlp_norm"),
     "core_attn_out": ("core_attn",),
-    **{tag: (tag,) for tag in REMAT_TAGS if tag not in ("layer_input", "core_attn")},
+    **MOE_MODULES,
+    **{tag: (tag,) for tag in REMAT_TAGS
+       if tag not in ("layer_input", "core_attn") and tag not in MOE_MODULES},
 }
 
 # jax.checkpoint_policies entries that build a policy from a list of names (policy=NAME:a,b).
@@ -266,15 +283,16 @@ def _fenced(ckpt_fn):
     (optimization_barrier would not do: XLA removes barriers before scheduling).
     """
     @jax.custom_vjp
-    def run(s, x_BSD):
-        return ckpt_fn(s, x_BSD)
+    def run(s, carry):
+        return ckpt_fn(s, carry)
 
-    def fwd(s, x_BSD):
-        return jax.vjp(ckpt_fn, s, x_BSD)
+    def fwd(s, carry):
+        return jax.vjp(ckpt_fn, s, carry)
 
     def bwd(vjp, ct):
-        # the carry's cotangent: x's [B, S, D] first (a carry may hold more: an accumulator)
-        ct_BSD = jax.tree.leaves(ct)[0]
+        # The carry is x_BSD, (x_BSD, MoeStats) or (x_BSD, accumulator): x's cotangent is
+        # its first leaf with a [B, S] lead (the stats' are scalars; x comes first).
+        ct_BSD = next(a for a in jax.tree.leaves(ct) if a.ndim >= 2)
         zero_BS = opaque_zeros(ct_BSD, keep=2)
 
         def fence(r):

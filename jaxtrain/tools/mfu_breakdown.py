@@ -204,7 +204,7 @@ def kernel_families(windows_by_step: dict) -> dict:
 # ----------------------------------------------------------------------------- the budget
 
 _AXIS_OF = {"dp_comm": "data", "fsdp_comm": "fsdp", "tp_comm": "tensor", "pp_comm": "stage",
-            "cp_comm": "context"}
+            "cp_comm": "context", "ep_comm": "expert"}
 
 
 def ledger_budget(cfg: Config, n_devices: int, gpu, fold_recompute: bool = False) -> Budget:

@@ -2,12 +2,15 @@
 
     python -m jaxtrain.plan --config configs/llama70b.py --devices 1024 --gpu h100 [--json]
     python -m jaxtrain.plan ... --tensor 8 --stage 4 --virtual-stages 5   # evaluate one layout
+    python -m jaxtrain.plan --config configs/mixtral_8x7b.py --devices 64 --stage 4 --expert 8
                                         (what the flags invalidate is re-derived: plan_flags.py)
 
 The walk: tensor parallelism inside the NVLink domain (degrees that divide the heads and KV
 heads) -> for each tensor degree and recompute level, the smallest pipeline degree that fits
-(layers divisible), with virtual stages and micro-batch 1 or 2 -> data parallelism (ZeRO-1)
-fills the rest -> context parallelism (with each tensor degree that leaves room for it) when
+(layers divisible), with virtual stages and micro-batch 1 or 2 -> with MoE layers, expert
+parallelism (each degree dividing the experts and the data ranks it is carved from; recompute
+levels also Megatron's moe_act and moe modules) -> data parallelism (ZeRO-1) fills the rest
+-> context parallelism (with each tensor degree that leaves room for it) when
 nothing fits without it or the sequence is long (>= 32K tokens). Every candidate is
 costed by `jaxtrain.ledger.estimate`; the recommendation has the highest expected MFU (midpoint
 of its range) among those that fit. Exit codes: 0 ok, 1 nothing fits, 2 bad input.
@@ -20,8 +23,8 @@ import json
 import sys
 
 from jaxtrain.config import Config, ConfigError, load_config
-from jaxtrain.ledger import (REMAT_VARIANTS, Estimate, Gpu, Layout, LayoutError, estimate,
-                             get_gpu, layout_from_config)
+from jaxtrain.ledger import (MOE_REMAT_VARIANTS, REMAT_VARIANTS, Estimate, Gpu, Layout,
+                             LayoutError, estimate, get_gpu, layout_from_config)
 from jaxtrain.ledger.estimate import uses_flash
 from jaxtrain.ledger.summary import describe
 from jaxtrain.ledger.hardware import GiB
@@ -88,8 +91,17 @@ def stage_options(cfg: Config, n_devices: int, per_stage: int) -> list[int]:
     return opts
 
 
+def expert_options(cfg: Config, data: int) -> list[int]:
+    """Expert degrees: divisors of the experts that divide the data ranks (1 without MoE)."""
+    e = cfg.model.moe
+    if e is None or not any(cfg.model.moe_layers):
+        return [1]
+    return [x for x in divisors(e.num_experts) if data % x == 0]
+
+
 def _layouts(cfg: Config, n_devices: int, t: int, p: int, c: int, fsdp: int):
-    """Every (virtual stages, micro-batch) layout for these degrees that divides."""
+    """Every (virtual stages, micro-batch, expert degree) layout for these degrees that
+    divides."""
     per_rank = t * p * c * fsdp
     if n_devices % per_rank:
         return
@@ -108,19 +120,24 @@ def _layouts(cfg: Config, n_devices: int, t: int, p: int, c: int, fsdp: int):
         for v in chunk_opts:
             if v > 1 and m % p:
                 continue
-            yield Layout(tensor=t, stage=p, data=d, fsdp=fsdp, context=c, virtual_stages=v,
-                         micro_batch=b, microbatches=m, sequence_parallel=t > 1,
-                         zero1=d * c > 1, schedule="interleaved_1f1b" if v > 1 else "1f1b")
+            for ep in expert_options(cfg, d):
+                yield Layout(tensor=t, stage=p, data=d, fsdp=fsdp, context=c, virtual_stages=v,
+                             micro_batch=b, microbatches=m, sequence_parallel=t > 1,
+                             zero1=d * c > 1, schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                             expert=ep)
 
 
 def _costed(cfg, gpu, layouts, remat_name):
     out = []
     for layout in layouts:
         try:
-            out.append(estimate(cfg, layout, gpu, remat=REMAT_VARIANTS[remat_name]))
+            out.append(estimate(cfg, layout, gpu, remat=_REMATS[remat_name]))
         except LayoutError:
             continue
     return out
+
+
+_REMATS = {**REMAT_VARIANTS, **MOE_REMAT_VARIANTS}
 
 
 def _walk(cfg, n_devices, gpu, c, fsdp, walk, tensors=None):
@@ -129,6 +146,8 @@ def _walk(cfg, n_devices, gpu, c, fsdp, walk, tensors=None):
     remats = ["none", "selective", "full"]
     if uses_flash(cfg, gpu):
         remats.remove("selective")  # flash already drops what selective core_attn saves
+    if any(cfg.model.moe_layers):
+        remats[1:1] = list(MOE_REMAT_VARIANTS)   # less recompute than full first
     rows = []
     for t in tensors or tensor_options(cfg, n_devices, gpu):
         found, last_fail, closest_fail = [], None, None
@@ -236,7 +255,8 @@ def _configured(cfg, n_devices, gpu):
 
 _LOSS_NAMES = {"compute": "compute", "recompute": "recompute", "bubble": "pipeline bubble",
                "dp_comm": "DP comm", "fsdp_comm": "FSDP comm", "tp_comm": "TP comm",
-               "pp_comm": "PP comm", "cp_comm": "CP comm", "overhead": "launch/p2p overhead"}
+               "pp_comm": "PP comm", "cp_comm": "CP comm", "ep_comm": "EP all-to-all",
+               "overhead": "launch/p2p overhead"}
 
 
 def _rank(candidates: list) -> None:
@@ -280,11 +300,11 @@ _TERM = {"static": "static_bytes", "activations": "activation_bytes", "reserve":
 
 def explicit_layout(cfg: Config, n_devices: int, *, tensor=None, stage=None, virtual_stages=None,
                     context=None, micro_batch=None, fsdp=None, sequence_parallel=None,
-                    zero1=None) -> Layout:
+                    zero1=None, expert=None) -> Layout:
     """The config's layout with some degrees replaced; data (or the config's -1) fills."""
     par = dataclasses.replace(cfg.parallel)
     for name, val in (("tensor", tensor), ("stage", stage), ("context", context),
-                      ("fsdp", fsdp), ("virtual_stages", virtual_stages)):
+                      ("fsdp", fsdp), ("virtual_stages", virtual_stages), ("expert", expert)):
         if val is not None:
             if val < 1:
                 raise LayoutError(f"--{name.replace('_', '-')}={val} must be >= 1")
@@ -316,7 +336,7 @@ def explicit_layout(cfg: Config, n_devices: int, *, tensor=None, stage=None, vir
                   fsdp=sizes["fsdp"], context=sizes["context"],
                   virtual_stages=par.virtual_stages, micro_batch=micro_batch,
                   microbatches=microbatches, sequence_parallel=sp and sizes["tensor"] > 1,
-                  zero1=z1, schedule=par.schedule)
+                  zero1=z1, schedule=par.schedule, expert=par.expert)
 
 
 def main(argv=None) -> int:
@@ -325,7 +345,7 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--gpu", default="h100", help="h100, h200, a100 or cpu (an estimate)")
     ap.add_argument("--json", action="store_true", help="print a JSON list of candidates")
-    for flag in ("tensor", "stage", "virtual-stages", "context", "micro-batch", "fsdp"):
+    for flag in ("tensor", "stage", "virtual-stages", "context", "micro-batch", "fsdp", "expert"):
         ap.add_argument(f"--{flag}", type=int, default=None)
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=None)
@@ -336,7 +356,7 @@ def main(argv=None) -> int:
         cfg = with_shape(load_config(args.config), args.seq_len, args.global_batch)
         gpu = get_gpu(args.gpu)
         explicit = {k: getattr(args, k) for k in ("tensor", "stage", "virtual_stages", "context",
-                                                  "micro_batch")}
+                                                  "micro_batch", "expert")}
         if any(v is not None for v in explicit.values()):
             from jaxtrain.tools.plan_flags import flagged_estimate
             est, notes = flagged_estimate(cfg, args.devices, gpu, explicit, fsdp=args.fsdp,

@@ -1,5 +1,6 @@
-"""The planner's explicit layout (`--tensor/--stage/--virtual-stages/--context/--micro-batch`):
-the recipe's layout with the flags' degrees, and what those flags invalidate re-derived.
+"""The planner's explicit layout (`--tensor/--stage/--virtual-stages/--context/--micro-batch/
+--expert`): the recipe's layout with the flags' degrees, and what those flags invalidate
+re-derived.
 
 A recipe's virtual stages and micro-batch are chosen for its own degrees (llama70b: stage 2 x
 8 virtual, micro-batch 1 x 8 microbatches). Flags that change the degrees can leave them
@@ -17,7 +18,8 @@ from jaxtrain.config import Config
 from jaxtrain.ledger import Estimate, Gpu, LayoutError, estimate
 from jaxtrain.ledger.layout import divisors
 
-REDERIVED = ("virtual_stages", "micro_batch")  # what a flag's degrees can invalidate
+# what a flag's degrees can invalidate (an expert degree that no longer divides data)
+REDERIVED = ("virtual_stages", "micro_batch", "expert")
 
 
 def _mid(e: Estimate) -> float:
@@ -27,8 +29,8 @@ def _mid(e: Estimate) -> float:
 def flagged_estimate(cfg: Config, n_devices: int, gpu: Gpu, flags: dict, **fixed
                      ) -> tuple[Estimate, list[str]]:
     """(the estimate of the flags' layout, notes on what was re-derived). `flags`: the
-    planner's --tensor/--stage/--virtual-stages/--context/--micro-batch (None: not given);
-    `fixed`: fsdp, sequence_parallel, zero1 as explicit_layout takes them."""
+    planner's --tensor/--stage/--virtual-stages/--context/--micro-batch/--expert (None: not
+    given); `fixed`: fsdp, sequence_parallel, zero1 as explicit_layout takes them."""
     from jaxtrain.tools.plan import MICRO_BATCHES, MIN_LAYERS_PER_CHUNK, explicit_layout
 
     def costed(**chosen) -> Estimate:
@@ -45,7 +47,8 @@ def flagged_estimate(cfg: Config, n_devices: int, gpu: Gpu, flags: dict, **fixed
             "virtual_stages": [v for v in divisors(cfg.model.num_layers)
                                if v == 1 or cfg.model.num_layers // (stage * v)
                                >= MIN_LAYERS_PER_CHUNK],
-            "micro_batch": [None, *MICRO_BATCHES]}  # None: the recipe's microbatches
+            "micro_batch": [None, *MICRO_BATCHES],  # None: the recipe's microbatches
+            "expert": divisors(cfg.model.moe.num_experts) if cfg.model.moe else [1]}
         valid = []
         for size in range(1, len(free) + 1):  # change as little of the recipe as will do
             for subset in itertools.combinations(free, size):
@@ -62,8 +65,9 @@ def flagged_estimate(cfg: Config, n_devices: int, gpu: Gpu, flags: dict, **fixed
         L, p = best.layout, cfg.parallel
         changes = ", ".join(f"{k}={now} (the recipe's {was})" for k, was, now in (
             ("virtual_stages", p.virtual_stages, L.virtual_stages),
-            ("microbatches", p.microbatches, L.microbatches)) if now != was)
+            ("microbatches", p.microbatches, L.microbatches),
+            ("expert", p.expert, L.expert)) if now != was)
         return best, [f"note: {invalid}; re-derived what the flags left open: {changes}, the "
                       f"{'fitting ' if best.fits else ''}layout with the highest expected MFU "
                       f"of the {len(valid)} that change no more (set --virtual-stages / "
-                      "--micro-batch to choose)"]
+                      "--micro-batch / --expert to choose)"]

@@ -10,9 +10,16 @@ if TYPE_CHECKING:  # plan.py imports this module
     from jaxtrain.tools.plan import Candidate, Plan
 
 
-_COLUMNS = ("#", "", "tensor", "stage", "data", "ctx", "v", "mb", "m", "bubble", "static",
-            "act none/sel/full", "remat", "total", "fits", "DP GB/s", "TP GB/s", "PP GB/s",
-            "FSDP GB/s", "CP GB/s", "ideal s", "MFU")
+_COLUMNS = ("#", "", "tensor", "stage", "data", "ctx", "ep", "v", "mb", "m", "bubble",
+            "static", "act none/sel/full", "remat", "total", "fits", "DP GB/s", "TP GB/s",
+            "PP GB/s", "FSDP GB/s", "CP GB/s", "EP GB/s", "ideal s", "MFU")
+
+
+def _remat_short(label: str) -> str:
+    """none, selective, full, or the MoE modules a selective choice adds to core_attn."""
+    head, _, rest = label.partition("(")
+    extra = [m for m in rest.rstrip(")").split(",") if m and m != "core_attn"]
+    return "+".join(extra) if head == "selective" and extra else head
 
 
 def _row(i: int, c: Candidate) -> list[str]:
@@ -23,11 +30,11 @@ def _row(i: int, c: Candidate) -> list[str]:
     def cm(k):
         return f"{e.comm_bytes[k] / GB:.1f}/{e.comm_seconds[k]:.2f}" if e.comm_bytes[k] else "-"
     return [str(i), mark, str(L.tensor), str(L.stage), str(L.data), str(L.context),
-            str(L.virtual_stages), str(L.micro_batch), str(L.microbatches), f"{e.bubble:.1%}",
+            str(L.expert), str(L.virtual_stages), str(L.micro_batch), str(L.microbatches), f"{e.bubble:.1%}",
             f"{e.static_bytes / GiB:.1f}",
             "/".join(f"{a[k] / GiB:.1f}" for k in ("none", "selective", "full")),
-            e.remat.split("(")[0], f"{e.total_bytes / GiB:.1f}", "yes" if e.fits else "NO",
-            cm("dp"), cm("tp"), cm("pp"), cm("fsdp"), cm("cp"), f"{e.ideal_step_s:.2f}",
+            _remat_short(e.remat), f"{e.total_bytes / GiB:.1f}", "yes" if e.fits else "NO",
+            cm("dp"), cm("tp"), cm("pp"), cm("fsdp"), cm("cp"), cm("ep"), f"{e.ideal_step_s:.2f}",
             f"{e.expected_mfu[0]:.0%}-{e.expected_mfu[1]:.0%}"]
 
 
