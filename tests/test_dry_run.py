@@ -221,8 +221,8 @@ def test_stage_2_compiles_the_pipelined_step():
     assert sum(c.count for c in permutes) == t.sends == 2 * t.steps
     assert r2.stage_comm()[("collective-permute", True)][0] == pytest.approx(e.comm_bytes["pp"])
     assert e.comm_bytes["pp"] == t.sends * e.chunk_input_bytes
-    ledger_stage, compiled_stage = r2.comm_by_axes()[("stage",)]
-    assert ledger_stage == e.comm_bytes["pp"] + e.comm_bytes["vocab"] <= compiled_stage
+    stage_row = r2.comm_by_axes()[("stage",)]
+    assert stage_row.ledger == e.comm_bytes["pp"] + e.comm_bytes["vocab"] <= stage_row.executed
     assert not any(c.axes and "stage" in c.axes for c in r1.collectives)
 
     # Parameters (fp32 master + Adam m, v are the arguments) per device: about half of
@@ -250,7 +250,7 @@ def test_stage_2_compiles_the_pipelined_step():
     for text in ("pipelined: 1f1b, 2 stages x 1 virtual stages of 4 layers",
                  "collective-permute", "activations right, cotangents left (ledger PP",
                  "the executor's 2 + 2 stashed 4-layer chunk residual sets",
-                 "every branch of the 4 steps", "executed (each rank's F and B branches",
+                 "every branch of the 4 steps", "executed per pipeline rank (its F and B",
                  "the same without the GPU workspace"):
         assert text in out, text
     assert "not wired" not in out
@@ -291,7 +291,7 @@ def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
                  "pipelined: interleaved_1f1b, 2 stages x 8 virtual stages of 5 layers",
                  "activations right, cotangents left", "the executor's 16 + 2 stashed",
                  "FLOPs per device per step", "every branch of the 80 steps",
-                 "executed (each rank's F and B branches"):
+                 "executed per pipeline rank (its F and B"):
         assert text in out, text
     assert "not wired" not in out
 
@@ -309,12 +309,15 @@ def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
     assert r.executed.mean == pytest.approx(e.model_flops_per_step_full_attn / e.n_devices,
                                             rel=0.01)
     # Tensor traffic: the HLO counts every branch's chunk passes per table step, 3.75x the
-    # 128 passes a rank runs (which the ledger counts); beyond that XLA:CPU moves the residual
-    # stream in fp32 and emits more collectives per layer (~4x, as at stage=1).
+    # 128 passes a rank runs (which the ledger counts, and the executed bytes); beyond that
+    # XLA:CPU moves the residual stream in fp32 and emits more collectives per layer (~4x,
+    # as at stage=1). The loss's scalars over other axes are left out.
     comm = r.comm_by_axes()
-    assert {("tensor",), ("stage",)} <= set(comm) <= {("tensor",), ("stage",), ()}
-    ledger_tp, compiled_tp = comm[("tensor",)]
-    assert 1.0 <= compiled_tp / (ledger_tp * r.hlo_pass_factor()) <= 8.0
+    assert set(comm) == {("tensor",), ("stage",)}, comm
+    tp = comm[("tensor",)]
+    # (3.80x measured: the head's collectives run outside the switches, once as counted)
+    assert tp.every_branch == pytest.approx(tp.executed * 3.75, rel=0.03)
+    assert 1.0 <= tp.executed / tp.ledger <= 8.0
     # Stage traffic: the executor's permutes, 2 per table step, bf16 activations carried as
     # f32 by XLA:CPU (2x the ledger's PP); the embedding's and head's gradients' all-reduce
     # after the loop, as the ledger's vocab term.

@@ -1,8 +1,10 @@
 """Communication volume per device per step, the link each axis rides on, and the bubble.
 
 Conventions (docs/design.md §5), N_local = parameters one device holds after TP and PP:
-- DP (ZeRO-1 or plain): reduce-scatter grads + all-gather params ≈ 2·N_local·2 bytes (bf16
-  reduction, Megatron's --grad-reduce-in-bf16); with FSDP the shard N_local/fsdp is reduced.
+- DP: the step reduces its fp32 gradient sums (Megatron's default for bf16, not its
+  --grad-reduce-in-bf16): ZeRO-1 reduce-scatters them and all-gathers the bf16 params,
+  N_local·(4 + 2) bytes; plain DP all-reduces them, 2·N_local·4; with FSDP the shard
+  N_local/fsdp is reduced.
 - Layer collectives are counted per layer pass (`Passes`: forward and backward passes of one
   layer for one microbatch per device per step): without stages L·m of each; with stages the
   pipeline executor's (ledger.pipeline): each rank's m·v chunk forwards and backwards, of the
@@ -72,10 +74,12 @@ def bubble_fraction(stage: int, microbatches: int, virtual_stages: int = 1) -> f
 
 
 def dp_bytes(layout: Layout, n_local: float) -> float:
-    # Params are replicated over data and context, so both reduce gradients.
+    # Params are replicated over data and context, so both reduce gradients: the fp32
+    # gradient sums (4 bytes, what the step reduces), then ZeRO-1's bf16 params gathered.
     if layout.data * layout.context == 1:
         return 0.0
-    return 2.0 * (n_local / layout.fsdp) * 2
+    shard = n_local / layout.fsdp
+    return shard * (4 + 2) if layout.zero1 else 2.0 * shard * 4
 
 
 def fsdp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:

@@ -315,6 +315,38 @@ def matmul_flops_of(instr, comp) -> int:
     return 2 * math.prod(out) * k
 
 
+# Attention kernels (custom calls whose matmuls no dot shows): the project's Pallas flash
+# kernels by name, cuDNN's fused attention by target, each -> its matmuls in the dense
+# algorithm's count (forward QK^T and PV; backward dV, dP, dQ, dK: dK/dV kernel two, dQ kernel
+# two), each 2·B·Sq·Sk·H·D over the full square as the ledger's *_full_attn counts: what the
+# kernels skip (the causal half) and recompute (S, P in both backward kernels) is left out.
+_ATTENTION_KERNELS = ((re.compile(r'name = "jaxtrain_flash_(fwd|bwd_dkv|bwd_dq)"'), 2),
+                      (re.compile(r'custom_call_target="__cudnn\$fmha\w*Backward'), 4),
+                      (re.compile(r'custom_call_target="__cudnn\$fmha'), 2))
+
+
+def attention_kernel_flops_of(instr, comp) -> int:
+    """The dense-equivalent matmul FLOPs of an attention kernel call (0 for anything else):
+    q [B, Sq, H, D] and k [B, Sk, K, D] are its first two operands."""
+    if instr.opcode != "custom-call":
+        return 0
+    matmuls = next((n for pattern, n in _ATTENTION_KERNELS if pattern.search(instr.attrs)), 0)
+    if not matmuls:
+        return 0
+    q, k = (_dims(instr.operand_shapes[i] if instr.operand_shapes[i:i + 1] else None)
+            or _dims(comp.by_name[instr.operands[i]].shape) for i in (0, 1))
+    if len(q) != 4 or len(k) != 4:
+        raise HloParseError(f"attention kernel %{instr.name}: q {q}, k {k} are not "
+                            "[batch, seq, heads, head_dim]")
+    b, sq, h, d = q
+    return matmuls * 2 * b * sq * k[1] * h * d
+
+
+def executed_flops_of(instr, comp) -> int:
+    """Matmul FLOPs of an op: GEMMs and dots, and attention kernels as their dense matmuls."""
+    return matmul_flops_of(instr, comp) + attention_kernel_flops_of(instr, comp)
+
+
 def matmul_flops_from_text(text: str) -> float:
     """Matmul FLOPs of one execution of an optimized HLO module, loops counted by trip count."""
     comps, reach = parsed(text)
