@@ -98,6 +98,7 @@ class DryRun:
     executed: "pipeline_flops.ExecutedFlops"   # matmul FLOPs per device (rank) as run
     executed_wire: dict          # axes -> wire bytes per step per device (rank) as run
     gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
+    attention: tuple = ()        # (the attention core compiled, why: attention.choose)
 
     @property
     def n_devices(self) -> int:
@@ -176,7 +177,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     from jaxtrain import xla_flags
     from jaxtrain.model import attention
     from jaxtrain.parallel import sharding
-    from jaxtrain.tools import gpu_program, hlo, pipeline_flops, targets
+    from jaxtrain.tools import gpu_kernels, gpu_program, hlo, pipeline_flops, targets
     from jaxtrain.tools.compile_step import compile_step
     if target is not None:
         tgt = targets.get(target)
@@ -198,12 +199,16 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     if echo:
         echo(f"dry run: compiling the train step of {config_name} on {len(present)} x {kind} ...")
     is_gpu = sharding.platform(mesh) == "gpu"
-    flash = attention.is_kernel(attention.select(scaled.model, sharding.platform(mesh)))
+    chosen = attention.choose(scaled.model, sharding.platform(mesh),
+                              sharding.compute_capability(mesh))
+    flash = chosen[0] in ("pallas", "mosaic", "cudnn")
     est = estimate(scaled, layout_from_config(scaled, len(present)), gpu, flash=flash)
     with tempfile.TemporaryDirectory(prefix="jaxtrain-dump-") as dump:
-        # the dump holds each Pallas kernel's launch and PTX (registers, spills)
+        # the dumps hold each Pallas kernel's launch and PTX (registers, spills)
         extra = {"xla_dump_to": dump} if is_gpu and flash else None
-        out = compile_step(scaled, mesh, extra_options=extra)
+        mosaic_dir = f"{dump}/mosaic" if is_gpu and chosen[0] == "mosaic" else None
+        with gpu_kernels.mosaic_dump(mosaic_dir):
+            out = compile_step(scaled, mesh, extra_options=extra)
         report = None
         mem = hlo.memory(out.compiled)
         raw_colls = hlo.collectives_from_text(out.text, mesh)
@@ -215,7 +220,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                              (present[0].memory_stats() or {}).get("bytes_limit", 0))
             report = gpu_program.GpuReport.read(
                 out.text, mesh, dump if extra else None, device_memory, mem["total_bytes"],
-                xla_flags.for_platform(scaled, "gpu", mesh.shape), raw_colls,
+                xla_flags.for_platform(scaled, "gpu", mesh.shape), raw_colls, mosaic_dir,
                 {k: float(np.mean(v)) for k, v in runs.items()})
     colls = hlo.reclassify_sliced_all_reduce(raw_colls)
     try:
@@ -228,4 +233,4 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                   lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
                   executed=pipeline_flops.executed_matmul_flops(out.text, *table),
                   executed_wire=pipeline_flops.executed_wire_bytes(colls, runs),
-                  gpu_report=report)
+                  gpu_report=report, attention=chosen)
