@@ -19,7 +19,10 @@ Conventions (docs/design.md §5), N_local = parameters one device holds after TP
 - TP with SP: per layer per microbatch 10 sequence-sized collectives of (t-1)/t·s·b·h·2 (the
   forward's 2 all-gathers + 2 reduce-scatters; the backward's 2 all-gathers of the output
   cotangents, 2 re-gathers of the norm outputs for the weight gradients, 2 reduce-scatters:
-  Megatron-SP's). Without SP, 4 all-reduces of 2·(t-1)/t·s·b·h·2, half in each pass.
+  Megatron-SP's). Without SP, 4 all-reduces of 2·(t-1)/t·s·b·h·2, half in each pass. A
+  forward that full recompute re-runs skips its last collective (the layer's output) and,
+  with SP, spares the backward its 2 re-gathers: 11 per layer per microbatch with SP, not 14
+  (measured on the unpipelined step; estimate.py leaves the pipelined one at 14).
 - PP: the executor's 2 sends (activation right, cotangent left) per table step, idle steps
   included, of one chunk input (s·b·h in the compute dtype, /t under SP).
 - Vocab (stages only): the embedding's gradient (rank 0) and the head's (+ final norm, rank
@@ -118,9 +121,14 @@ def tp_bytes_per_layer_microbatch(cfg: Config, layout: Layout, seq_len: int) -> 
     return sum(tp_pass_bytes(cfg, layout, seq_len))
 
 
-def tp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes) -> float:
+def tp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes,
+             recomputed: float = 0.0) -> float:
+    """`recomputed`: the forward passes of `passes` that full recompute re-runs. Such a pass
+    drops its last collective (the layer's output, which the next checkpoint holds) and, with
+    SP, leaves its gathered norm outputs to the backward (2 re-gathers fewer): 3 fewer."""
     fwd, bwd = tp_pass_bytes(cfg, layout, seq_len)
-    return fwd * passes.forward + bwd * passes.backward
+    saved = 3 * fwd / 4 if layout.sequence_parallel else fwd / 2
+    return fwd * passes.forward + bwd * passes.backward - saved * recomputed
 
 
 def pp_bytes(cfg: Config, layout: Layout, seq_len: int, ex: Executor | None) -> float:

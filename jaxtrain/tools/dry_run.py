@@ -19,8 +19,9 @@ the ledger models the lock-step executor itself, see jaxtrain.ledger.pipeline):
 - communication: ring wire bytes per mesh axis per step of the collectives a device executes
   (pipelined: each rank's F and B switch branches as its table takes them, the ranks'
   mean; CPU's all-reduce-then-slice counted as the reduce-scatter a GPU emits) against the
-  ledger's volumes, which use the same convention; an axis more than 10% off carries its
-  cause, and what the HLO counts in every branch of every table step is a detail line. The
+  ledger's volumes (its DP and FSDP payloads as the (g-1)/g a ring moves); an axis more
+  than 10% off carries its cause, and what the HLO counts in every branch of every table
+  step is a detail line. The
   stage axis is split by kind: the executor's collective-permutes against the ledger's PP
   sends; the rest (the all-reduce of the replicated embedding and head gradients, parameter
   resharding) listed with what it is.
@@ -46,9 +47,10 @@ if TYPE_CHECKING:
     from jaxtrain.tools import gpu_program, pipeline_flops
 
 
-# An axis that moves less than this per step and has no ledger term (the loss's and the
-# gradient norm's scalars) is left out of the report's rows.
-NEGLIGIBLE_BYTES = 1e6
+# Axes the ledger has no term for that move less than this share of the step's wire bytes
+# (the loss's and the gradient norm's scalars, the norm scales' gradients) are left out of
+# the report's rows; the collectives table still lists them.
+NEGLIGIBLE_SHARE = 1e-3
 
 
 class AxisComm(NamedTuple):
@@ -119,8 +121,8 @@ class DryRun:
 
     def comm_by_axes(self) -> dict[tuple, "AxisComm"]:
         """axes -> the ledger's bytes and the compiled step's wire bytes per device per step,
-        executed and in every branch; axes whose every compiled byte rounds to nothing in a
-        report (the loss's scalars) and the ledger has no term for are left out."""
+        executed and in every branch; negligible axes the ledger has no term for left out
+        (NEGLIGIBLE_SHARE)."""
         from jaxtrain.tools import hlo
         every: dict = {}
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
@@ -128,14 +130,18 @@ class DryRun:
         c, L = self.estimate.comm_bytes, self.estimate.layout
         # Gradients are reduced once over the data-parallel group: data and context.
         dp_axes = tuple(a for a in ("data", "context") if L.degree(a) > 1) or ("data",)
+        # The ledger's DP and FSDP volumes are payloads (§5: Megatron's 2·N for DP), of which
+        # a ring moves (g-1)/g over g devices; its other terms are wire bytes already.
+        ring = lambda g: (g - 1) / g  # noqa: E731
+        dp_group = L.data * L.context
         # The vocab tables' gradients reach every stage rank in an all-reduce over stage.
-        ledger = {("tensor",): c["tp"], dp_axes: c["dp"], ("fsdp",): c["fsdp"],
-                  ("stage",): c["pp"] + c["vocab"]}
+        ledger = {("tensor",): c["tp"], dp_axes: c["dp"] * ring(dp_group),
+                  ("fsdp",): c["fsdp"] * ring(L.fsdp), ("stage",): c["pp"] + c["vocab"]}
         if L.context > 1:  # the attention's K/V (and dK/dV) over context
             ledger[("context",)] = ledger.get(("context",), 0.0) + c["cp"]
         keys = [k for k in ledger if ledger[k] or every.get(k)]
-        keys += sorted((k for k in every if k not in ledger and every[k] >= NEGLIGIBLE_BYTES),
-                       key=str)
+        floor = NEGLIGIBLE_SHARE * sum(every.values())
+        keys += sorted((k for k in every if k not in ledger and every[k] > floor), key=str)
         return {k: AxisComm(ledger.get(k), float(np.mean(self.executed_wire.get(k, 0.0))),
                             every.get(k)) for k in keys}
 
