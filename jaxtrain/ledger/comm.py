@@ -22,7 +22,9 @@ Conventions (docs/design.md §5), N_local = parameters one device holds after TP
   Megatron-SP's). Without SP, 4 all-reduces of 2·(t-1)/t·s·b·h·2, half in each pass. A
   forward that full recompute re-runs skips its last collective (the layer's output) and,
   with SP, spares the backward its 2 re-gathers: 11 per layer per microbatch with SP, not 14
-  (measured on the unpipelined step; estimate.py leaves the pipelined one at 14).
+  (measured on the unpipelined step; estimate.py leaves the pipelined one at 14). Outside
+  the layers, with SP, 5 per microbatch: the embedding's and the head's (`tp_rest_bytes`;
+  unpipelined only: on a pipeline the embedding and head ranks are not yet modelled apart).
 - PP: the executor's 2 sends (activation right, cotangent left) per table step, idle steps
   included, of one chunk input (s·b·h in the compute dtype, /t under SP).
 - Vocab (stages only): the embedding's gradient (rank 0) and the head's (+ final norm, rank
@@ -119,6 +121,16 @@ def tp_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> tuple[float, flo
 def tp_bytes_per_layer_microbatch(cfg: Config, layout: Layout, seq_len: int) -> float:
     """One layer's forward and backward for one microbatch: 10 (SP) or 8 (t-1)/t·s·b·h·2."""
     return sum(tp_pass_bytes(cfg, layout, seq_len))
+
+
+def tp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
+    """TP outside the layers with SP, per microbatch: the embedding's output reduce-scattered
+    to the sequence shards and its cotangent gathered; the head's input gathered, its
+    cotangent reduce-scattered and the input gathered again for the head's weight gradient:
+    5 sequence-sized collectives (the GPU compiler's Llama 3 8B step at TP 2)."""
+    if layout.tensor == 1 or not layout.sequence_parallel:
+        return 0.0
+    return 5 * tp_pass_bytes(cfg, layout, seq_len)[0] / 4 * layout.microbatches
 
 
 def tp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes,

@@ -275,7 +275,8 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
                # re-run forwards' TP savings counted on the unpipelined step (the 128k
                # recipe: 6 all-gathers + 5 reduce-scatters per layer per microbatch); the
                # pipelined chunk's B not yet measured per layer (405B: 0.93x without them)
-               "tp": comm.tp_bytes(cfg, L, seq, passes, rerun if ex is None else 0.0),
+               "tp": comm.tp_bytes(cfg, L, seq, passes, rerun if ex is None else 0.0)
+               + (comm.tp_rest_bytes(cfg, L, seq) if ex is None else 0.0),
                "pp": comm.pp_bytes(cfg, L, seq, ex), "vocab": comm.vocab_bytes(cfg, L),
                "cp": comm.cp_bytes(cfg, L, seq, passes, rerun)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
