@@ -8,7 +8,7 @@ head + backward, ...). A rank runs one branch of each per step, and which one is
 schedule's table. Here every computation's executions are counted with each switch branch
 weighted by how many steps rank r takes it (`executed_runs`); everything outside the two
 switches counts as it runs. The FLOPs are the matmuls' (dots, GEMM custom calls) and the
-attention kernels' (hlo.executed_flops_of); the bytes are ring wire bytes per mesh axes.
+attention kernels' (kernel_flops); the bytes are ring wire bytes per mesh axes.
 Conditionals nested inside a chunk (uneven stages' per-layer switch, mixed FP8/bf16 chunks)
 still count every branch. The switches are found by the name scopes the executor puts on
 them (pipeline_executor.F_SCOPE, B_SCOPE) in the HLO's op_name metadata.
@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from jaxtrain.tools import hlo, hlo_module
+from jaxtrain.tools import hlo, hlo_module, kernel_flops
 from jaxtrain.parallel.pipeline_executor import B_SCOPE, F_SCOPE
 
 _OP_NAME_RE = re.compile(r'^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\bop_name="([^"]*)"')
@@ -62,7 +62,7 @@ def _flops_under(comps, name: str, memo: dict) -> float:
         return memo[name]
     comp, total = comps[name], 0.0
     for instr in comp.instrs:
-        total += hlo.executed_flops_of(instr, comp)
+        total += kernel_flops.executed_flops_of(instr, comp)
         for callee, trips, _ in hlo_module.callees(instr):
             if callee in comps:
                 total += (trips or 1) * _flops_under(comps, callee, memo)
@@ -115,7 +115,7 @@ def executed_runs(text: str, columns: dict | None, stages: int = 1,
 
 def executed_matmul_flops(text: str, columns: dict | None, stages: int = 1,
                           virtual_stages: int = 1) -> ExecutedFlops:
-    """Per-rank executed matmul FLOPs (GEMMs, dots and attention kernels, hlo.executed_flops_of)
+    """Per-rank executed matmul FLOPs (GEMMs, dots, attention kernels: kernel_flops)
     of a compiled step (`text`: its HLO); pipelined, its schedule loop ran the lock-step table
     `columns` (Schedule.table.columns), else None."""
     comps, reach = hlo_module.parsed(text)
@@ -123,7 +123,7 @@ def executed_matmul_flops(text: str, columns: dict | None, stages: int = 1,
     per_rank, every = np.zeros(stages if columns is not None else 1), 0.0
     for comp in comps.values():
         for instr in comp.instrs:
-            flops = hlo.executed_flops_of(instr, comp)
+            flops = kernel_flops.executed_flops_of(instr, comp)
             if flops:
                 per_rank += flops * runs[comp.name]
                 every += flops * reach[comp.name].count
