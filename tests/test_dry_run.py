@@ -12,7 +12,7 @@ from jaxtrain import trainer
 from jaxtrain.executors import setup as setup_lib
 from jaxtrain.tools import device_plan, dry_run
 from jaxtrain.config import load_config
-from jaxtrain.ledger import GiB
+from jaxtrain.ledger import GiB, memory as ledger_memory
 from util import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -231,6 +231,12 @@ def test_stage_2_compiles_the_pipelined_step():
     ratio = r2.memory["argument_bytes"] / r1.memory["argument_bytes"]
     assert 0.5 < ratio < 0.56, ratio
     assert r2.memory["argument_bytes"] == pytest.approx(r2.ledger_memory()["state"], rel=0.02)
+    # per term: the compiled step's state arguments by their shardings against the ledger's
+    for r in (r2, r1):
+        for term in ("master", "moments"):
+            assert r.state_terms[term] == pytest.approx(r.estimate.static_breakdown[term],
+                                                        rel=0.01), (r.estimate.layout, term)
+        assert sum(r.state_terms.values()) <= r.memory["argument_bytes"]
     # Temporaries: the ledger's executor (stashed residual sets, chunk inputs) + params, grads
     # and logits, without the GPU workspace (256 MiB at this size; XLA:CPU has none):
     # measured 0.97x (6.15 vs 6.33 MiB; stage=1 1.03x, 3.71 vs 3.60 MiB).
@@ -251,9 +257,12 @@ def test_stage_2_compiles_the_pipelined_step():
                  "collective-permute", "activations right, cotangents left (ledger PP",
                  "the executor's 2 + 2 stashed 4-layer chunk residual sets",
                  "every branch of the 4 steps", "executed per pipeline rank (its F and B",
-                 "the same without the GPU workspace"):
+                 "the same without the GPU workspace", "static state per term",
+                 "accumulator", "in temporaries"):
         assert text in out, text
     assert "not wired" not in out
+    assert set(r2.to_json()["ledger"]["static_terms"]) == set(ledger_memory.STATIC_TERMS)
+    assert r2.to_json()["compiled"]["state_terms"]["master"] == r2.state_terms["master"]
     flops = r2.to_json()["compiled"]["executed_matmul_flops"]
     assert flops["mean"] == r2.executed.mean and len(flops["per_rank"]) == 2
 

@@ -4,6 +4,7 @@ against each other in test_pipeline_model.py and against one device in test_para
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxtrain.executors.contract import Sums, normalise
 from jaxtrain.executors.replica import microbatched
@@ -59,3 +60,42 @@ def test_the_train_state_is_the_checkpoints_old_dict():
     doubled = jax.jit(lambda s: jax.tree.map(lambda a: a * 2, s))(fp8)
     assert isinstance(doubled, TrainState) and int(doubled.step) == 8
     np.testing.assert_array_equal(doubled.fp8_meta["blocks"]["scale"], [2.0, 2.0])
+
+
+# ----------------------------------------------------------------------------- fused accumulation
+
+def _grad_sums_both_ways(*overrides, n):
+    """The replica executor's Sums with each microbatch's gradients added into the fp32
+    accumulator as the backward makes them (grad_accumulation) and added after it."""
+    from jaxtrain.executors import replica, setup as setup_lib
+    from jaxtrain.parallel import sharding
+    from util import random_params, tiny_config
+    cfg = tiny_config("--parallel.microbatches=2", *overrides)
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:n]))
+    params = setup_lib.compute_params(setup, random_params(setup))
+    B, S = cfg.train.global_batch, cfg.train.seq_len
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, S), np.int32)
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1),
+             "segment_ids": np.ones((B, S), np.int32), "loss_mask": np.ones((B, S), np.float32),
+             "positions": np.tile(np.arange(S, dtype=np.int32), (B, 1))}
+    meta = setup.fp8.fresh(setup.meta_shapes)
+    return [jax.jit(replica.grad_sums(setup, fuse=fuse))(params, batch, meta)
+            for fuse in (True, False)]
+
+
+@pytest.mark.parametrize("overrides,n", [
+    # a mesh (GSPMD shards the accumulator's rows) and block remat (two scans, the first a
+    # fenced one-row scan: the accumulator carried from one into the next)
+    (("--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
+      "--remat.granularity=full", "--remat.method=block", "--remat.num_layers=1"), 8),
+    # FP8 with a bf16 first layer: two layer ranges (rows 0 and 1), the metas' observations
+    (("--fp8.enabled=true", "--fp8.bf16_first_layers=1"), 1),
+])
+def test_fused_accumulation_gives_the_same_sums(overrides, n):
+    fused, added = _grad_sums_both_ways(*overrides, n=n)
+    assert float(fused.losses.loss) == float(added.losses.loss)
+    for a, b in zip(jax.tree.leaves(fused.grads), jax.tree.leaves(added.grads)):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(fused.fp8), jax.tree.leaves(added.fp8)):
+        np.testing.assert_array_equal(a, b)

@@ -23,20 +23,24 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.executors.contract import Sums
 from jaxtrain.executors.setup import Setup, split_microbatches
 from jaxtrain.model import loss as loss_lib
-from jaxtrain.parallel import sharding
+from jaxtrain.parallel import grad_accumulation, sharding
 
 
-def microbatched(fn: Callable, num_microbatches: int, zeros: Callable, add: Callable):
+def microbatched(fn: Callable, num_microbatches: int, zeros: Callable, add: Callable,
+                 add_into: Callable | None = None):
     """`run(*args, batch)`: `fn(*args, mb)` over the `num_microbatches` microbatches of
     `batch` ([B, ...] leaves; split_microbatches), its outputs accumulated by one scan whose
     carry starts at `zeros(shapes of fn's output)` and takes each microbatch's output with
     `add(acc, out)`. Only `fn` knows the model; only `zeros` and `add` know how its outputs
-    add up."""
+    add up. `add_into(acc, *args, mb) -> acc`, when given, is a microbatch that adds into the
+    accumulator itself (then `fn` only gives the shapes, and `add` is not used)."""
+    step = add_into or (lambda acc, *args: add(acc, fn(*args)))
+
     def run(*args):
         *args, batch = args
         mbs = split_microbatches(batch, num_microbatches)
         shapes = jax.eval_shape(fn, *args, jax.tree.map(lambda a: a[0], mbs))
-        acc, _ = jax.lax.scan(lambda acc, mb: (add(acc, fn(*args, mb)), None), zeros(shapes),
+        acc, _ = jax.lax.scan(lambda acc, mb: (step(acc, *args, mb), None), zeros(shapes),
                               mbs)
         return acc
     return run
@@ -89,23 +93,60 @@ def _accumulator(setup: Setup):
             lambda s: jnp.zeros(s.shape, dtype or s.dtype), tree)
         return Sums(z(shapes.losses), constrained(z(shapes.grads, jnp.float32)), z(shapes.fp8))
 
-    def add(acc: Sums, out: Sums) -> Sums:
-        grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc.grads, out.grads)
+    def add(acc: Sums, out: Sums, grads=None) -> Sums:
+        if grads is None:
+            grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc.grads, out.grads)
         return Sums(jax.tree.map(jnp.add, acc.losses, out.losses), constrained(grads),
                     setup.fp8.combine(acc.fp8, out.fp8))
     return zeros, add
 
 
-def grad_sums(setup: Setup):
+def _fused_microbatch(setup: Setup, add: Callable):
+    """`(acc, params, meta, mb) -> acc`: one microbatch whose layer stack's weight gradients
+    go straight into the fp32 accumulator (grad_accumulation: the stack is differentiated
+    w.r.t. its accumulator, whose cotangent is acc + g), so no compute-dtype gradient of the
+    stack is held beside it. The embedding, head and final norm are differentiated as before
+    and added after the backward (a cotangent acc + g for them held an fp32 table more on
+    the 8B 128K recipe's H100 program)."""
+    def step(acc: Sums, params, meta, mb) -> Sums:
+        def objective(acc_blocks, rest, mt):
+            with grad_accumulation.into(acc_blocks) as ctx:
+                obj, losses = loss_sums(setup, {**rest, "blocks": params["blocks"]}, mb, mt)
+            return obj + grad_accumulation.seed(ctx.acc), losses
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        (_, losses), (blocks, d_rest, observations) = jax.value_and_grad(
+            objective, argnums=(0, 1, 2), has_aux=True)(acc.grads["blocks"], rest, meta)
+        grads = {**jax.tree.map(lambda a, x: a + x.astype(jnp.float32),
+                                {k: acc.grads[k] for k in rest}, d_rest), "blocks": blocks}
+        return add(acc, Sums(losses, None, observations), grads)
+    return step
+
+
+def fuses(cfg) -> bool:
+    """Whether the unpipelined step adds each layer's gradient into the accumulator as the
+    backward makes it: dense models without context parallelism. An MoE stack's groups are
+    not tapped yet; under context parallelism the fused H100 program of the 8B 128K recipe
+    (context 4, ring, full recompute) held 1.6 GiB more than the unfused one (60.5 vs 58.9
+    GiB; the unfused one already holds less than the stack's bf16 gradient there), cause not
+    found yet. ledger.memory prices the same choice."""
+    return not any(cfg.model.moe_layers) and cfg.parallel.context == 1
+
+
+def grad_sums(setup: Setup, *, fuse: bool = True):
     """`fn(compute params, batch, fp8_meta) -> Sums` of the unpipelined step: each replica
-    scans its microbatches, then the one data-parallel reduction of the step."""
+    scans its microbatches, then the one data-parallel reduction of the step. A dense model's
+    microbatches add their weight gradients into the accumulator as they are computed
+    (_fused_microbatch) where `fuses`; elsewhere (and with `fuse=False`) each microbatch's
+    gradients are added after its backward."""
     def microbatch(params, meta, mb) -> Sums:
         (_, losses), (grads, observations) = jax.value_and_grad(
             lambda p, mt: loss_sums(setup, p, mb, mt), argnums=(0, 1), has_aux=True)(params,
                                                                                     meta)
         return Sums(losses, grads, observations)
-    run = per_replica(setup, microbatched(microbatch, setup.cfg.parallel.microbatches,
-                                          *_accumulator(setup)))
+    zeros, add = _accumulator(setup)
+    fused = _fused_microbatch(setup, add) if fuse and fuses(setup.cfg) else None
+    run = per_replica(setup, microbatched(microbatch, setup.cfg.parallel.microbatches, zeros,
+                                          add, add_into=fused))
 
     def fn(params, batch, fp8_meta) -> Sums:
         # The one data-parallel reduction of the step.

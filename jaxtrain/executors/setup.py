@@ -26,7 +26,8 @@ from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model.fp8 import Fp8Converter
-from jaxtrain.parallel import context_attention, layer_order, remat, sharded_kernels, sharding
+from jaxtrain.parallel import (context_attention, grad_accumulation, layer_order, remat,
+                              sharded_kernels, sharding)
 from jaxtrain.parallel.layer_order import LayerOrder
 from jaxtrain.parallel.pipeline import chunk_layer_counts
 from jaxtrain.train_state import TrainState
@@ -106,9 +107,13 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
         context_attention.plan_of(cfg.parallel))
     lookup = (sharded_kernels.ShardedLookup(mesh, cfg.parallel.sequence_parallel)
               if mesh is not None and mesh.size > 1 else None)
+    # the runners carry the replica executor's gradient accumulator when it opens one
+    spans = remat.span_runner(cfg.remat)
     return model_lib.Ops(constrain=constrain, attention=attention, embed_lookup=lookup,
-                         run_layers=remat.layer_runner(cfg.remat), fp8=Fp8Converter.of(cfg.fp8),
-                         span_runner=remat.span_runner(cfg.remat))
+                         run_layers=grad_accumulation.accumulating(remat.layer_runner(cfg.remat)),
+                         fp8=Fp8Converter.of(cfg.fp8),
+                         span_runner=lambda start, stop: grad_accumulation.accumulating(
+                             spans(start, stop), start))
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:

@@ -79,7 +79,7 @@ class Estimate:
     hfu_flops_per_step: float
     # memory (bytes, worst stage)
     bytes_per_param: float        # static bytes held per local parameter
-    static_breakdown: dict
+    static_breakdown: dict        # memory.STATIC_TERMS -> bytes
     static_bytes: float
     activation_bytes_per_layer: float
     inflight_layer_microbatches: float   # stored layer-microbatches (pipelined: one chunk's)
@@ -132,6 +132,7 @@ class Estimate:
                "table_steps": self.executor.steps if self.executor else 0,
                "stash_slots": self.executor.stash_buffer if self.executor else 0,
                "static_gb": gib(self.static_bytes),
+               "static_terms_gb": {k: gib(v) for k, v in self.static_breakdown.items()},
                "activation_gb": gib(self.activation_bytes),
                **{f"activation_gb_{k}": gib(v) for k, v in self.activation_bytes_by_remat.items()},
                "reserve_gb": gib(self.reserve_bytes), "total_gb": gib(self.total_bytes),
@@ -237,8 +238,9 @@ def _memory_fields(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, fl
 
     static = memory.static_bytes(cfg, L, n_local, n_state)
     if ex is not None:
-        static["pipeline_weights"] = memory.pipeline_weight_bytes(cfg, L, remat, stage_layers,
-                                                                  ex.chunk_layers)
+        for k, v in memory.pipeline_static_bytes(cfg, L, remat, stage_layers,
+                                                 ex.chunk_layers).items():
+            static[k] += v
     static_total = sum(static.values())
     act = activations(remat)
     reserve = memory.reserve_bytes(cfg, L, seq)

@@ -1,10 +1,13 @@
 """Theoretical memory per device: static state, in-flight activations, workspace reserve.
 
 Conventions (docs/design.md §5):
-- Static: bf16 param 2 + fp32 grad accumulator 4 (+ 2 for one microbatch's bf16 gradient
-  when microbatches accumulate unpipelined) + fp32 master 4 + Adam m 4 + v 4 bytes per
-  parameter held; ZeRO-1 divides the 12 optimizer bytes by data (x context), FSDP divides all
-  of them by the fsdp degree (plus two gathered layers in flight).
+- Static, by term (STATIC_TERMS): weights (bf16 copy) 2 + gradients (unpipelined: one layer's
+  bf16 gradient, added into the accumulator as the backward makes it, or under context
+  parallelism and MoE the stack's 2 when microbatches add up; pipelined: the B's chunk
+  gradient) + fp32 accumulator 4 + fp32 master 4
+  + Adam moments 8 bytes per parameter held, the FP8 metas, other (FSDP's gathered layers,
+  the pipeline's chunk slices); ZeRO-1 divides the 12 optimizer bytes by data (x context),
+  FSDP divides all of them by the fsdp degree (plus two gathered layers in flight).
 - Activations per layer per microbatch: what jaxtrain's layer keeps (layer_activation_bytes;
   for Llama 70B with flash attention and SP, 33·s·b·h/t bytes, next to Korthikanti et al.'s
   34·s·b·h/t for a GPT layer); XLA attention adds Korthikanti's 5·a·s/h score term.
@@ -53,20 +56,38 @@ def bytes_per_param(grad_bf16: bool = False) -> int:
     return 2 + (2 if grad_bf16 else 4) + OPTIMIZER_BYTES
 
 
+# The static terms every report names, in this order (docs/design.md §5): the compute-dtype
+# copy of the weights, compute-dtype gradient buffers beside the fp32 accumulator, the fp32
+# gradient accumulator, the fp32 master copy, Adam's two moments, the FP8 metas, and what else
+# the program holds between uses (FSDP's gathered layers, the pipeline's chunk slices).
+STATIC_TERMS = ("weights", "gradients", "accumulator", "master", "moments", "fp8_meta", "other")
+
+
 def held_bytes_per_param(layout: Layout) -> dict[str, float]:
-    """Bytes per (TP/PP-local) parameter that one device holds, by kind, as jaxtrain's step
-    holds them (the GPU compiler's buffer assignment, tests/gpu): the compute-dtype copy (2),
-    the fp32 gradient accumulator (4) and, when microbatches accumulate without pipeline
-    stages, one microbatch's compute-dtype gradient before it is added (2: the layer scan's
-    backward returns every layer's at once); FSDP shards all of them. (Megatron fuses the
-    weight-gradient GEMMs into its fp32 main_grad and holds 4; FSDP codes that reduce in bf16
-    hold 2.)"""
+    """Bytes per (TP/PP-local) parameter that one device holds, by static term, as jaxtrain's
+    step holds them (the GPU compiler's buffer assignment, tests/gpu): the compute-dtype copy
+    (weights 2), the fp32 gradient accumulator (4), the fp32 master (4) and Adam's moments (8),
+    those two divided by the data-parallel group under ZeRO-1; FSDP shards all of them. No
+    compute-dtype gradient of the whole stack: the unpipelined step adds each layer's into the
+    accumulator as its backward makes it (parallel/grad_accumulation.py, Megatron's
+    gradient_accumulation_fusion), leaving one layer's (`static_bytes`; not under context
+    parallelism: executors/replica.fuses); the pipeline's B still makes its chunk's
+    (`pipeline_static_bytes`)."""
     f = layout.fsdp
-    grad = 4 + (2 if layout.microbatches > 1 and layout.stage == 1 else 0)
     # Megatron's distributed optimizer shards over the data-parallel group, which includes the
     # context ranks (parameters are replicated over both).
     zero = layout.data * layout.context if layout.zero1 else 1
-    return {"param": 2 / f, "grad": grad / f, "optimizer": OPTIMIZER_BYTES / (f * zero)}
+    return {"weights": 2 / f, "gradients": 0.0, "accumulator": 4 / f,
+            "master": 4 / (f * zero), "moments": 8 / (f * zero)}
+
+
+def fp8_meta_bytes(cfg: Config) -> float:
+    """The FP8 metas (replicated on every device): per projection of every layer row and per
+    role (x, w, g) an fp32 scale, its inverse and the amax history."""
+    if not cfg.fp8.enabled:
+        return 0.0
+    projections = 7   # q, k, v, o, gate, up, down (model/fp8.py)
+    return cfg.model.num_layers * projections * 3 * (2 + cfg.fp8.amax_history_len) * 4
 
 
 def layer_params_local(cfg: Config, tensor: int) -> float:
@@ -113,15 +134,28 @@ def state_params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...
 
 def static_bytes(cfg: Config, layout: Layout, n_local: float,
                  n_state: float | None = None) -> dict[str, float]:
-    """Bytes by kind for `n_local` parameters computed with and `n_state` (default the same)
-    whose optimizer state a device holds."""
+    """Bytes by static term (STATIC_TERMS) for `n_local` parameters computed with and
+    `n_state` (default the same) whose master and moments a device holds."""
     per = held_bytes_per_param(layout)
     n_state = n_local if n_state is None else n_state
-    out = {k: (n_state if k == "optimizer" else n_local) * v for k, v in per.items()}
+    out = {k: (n_state if k in ("master", "moments") else n_local) * v for k, v in per.items()}
+    if layout.stage == 1:
+        # fused (executors/replica.fuses): one layer's compute-dtype gradient on its way into
+        # the accumulator; else, with microbatches to add up, the stack's
+        fused = layout.context == 1 and not any(cfg.model.moe_layers)
+        grad_params = (layer_params_local(cfg, layout.tensor) if fused
+                       else n_local if layout.microbatches > 1 else 0.0)
+        out["gradients"] = grad_params * _compute_bytes(cfg) / layout.fsdp
+    out["fp8_meta"] = fp8_meta_bytes(cfg)
     # FSDP all-gathers a layer's bf16 weights before use; two layers in flight for prefetch.
-    out["fsdp_buffers"] = (2 * 2 * layer_params_local(cfg, layout.tensor)
-                           if layout.fsdp > 1 else 0.0)
+    out["other"] = (2 * 2 * layer_params_local(cfg, layout.tensor) if layout.fsdp > 1
+                    else 0.0)
     return out
+
+
+def state_bytes(static: dict[str, float]) -> float:
+    """What the step takes as arguments of the static terms: masters, moments, FP8 metas."""
+    return static["master"] + static["moments"] + static["fp8_meta"]
 
 
 def _act_scale(cfg: Config) -> float:
@@ -236,17 +270,20 @@ def chunk_weight_copy_bytes(cfg: Config, layout: Layout, remat: RematConfig,
             * DTYPE_BYTES[cfg.model.compute_dtype])
 
 
-def pipeline_weight_bytes(cfg: Config, layout: Layout, remat: RematConfig,
-                          stage_layers: tuple[int, ...], chunk_layers: int) -> float:
+def pipeline_static_bytes(cfg: Config, layout: Layout, remat: RematConfig,
+                          stage_layers: tuple[int, ...], chunk_layers: int) -> dict[str, float]:
     """A chunk's weights-sized temporaries of an F or B (compute dtype, the GPU compiler's
-    buffer assignment): the B's gradient of its chunk before it joins the fp32 accumulator
-    (as the unpipelined layer scan's backward returns a microbatch's at once), with virtual
-    stages the F's and the B's slice of their chunk out of the rank's v (a dynamic index: XLA
-    copies it), and the copy a per-layer switch makes (chunk_weight_copy_bytes)."""
+    buffer assignment), by static term: gradients, the B's gradient of its chunk before it
+    joins the fp32 accumulator (as the unpipelined layer scan's backward returns a
+    microbatch's at once); other, with virtual stages the F's and the B's slice of their chunk
+    out of the rank's v (a dynamic index: XLA copies it), and the copy a per-layer switch
+    makes (chunk_weight_copy_bytes)."""
     weights = (chunk_layers * layer_params_local(cfg, layout.tensor)
                * DTYPE_BYTES[cfg.model.compute_dtype])
-    return (weights * (3 if layout.virtual_stages > 1 else 1)
-            + chunk_weight_copy_bytes(cfg, layout, remat, stage_layers, chunk_layers))
+    return {"gradients": weights,
+            "other": (weights * (2 if layout.virtual_stages > 1 else 0)
+                      + chunk_weight_copy_bytes(cfg, layout, remat, stage_layers,
+                                                chunk_layers))}
 
 
 def pipelined_activations(cfg: Config, layout: Layout, remat: RematConfig, flash: bool,

@@ -272,7 +272,9 @@ def _fenced(ckpt_fn):
     def fwd(s, x_BSD):
         return jax.vjp(ckpt_fn, s, x_BSD)
 
-    def bwd(vjp, ct_BSD):
+    def bwd(vjp, ct):
+        # the carry's cotangent: x's [B, S, D] first (a carry may hold more: an accumulator)
+        ct_BSD = jax.tree.leaves(ct)[0]
         zero_BS = opaque_zeros(ct_BSD, keep=2)
 
         def fence(r):
@@ -280,7 +282,7 @@ def _fenced(ckpt_fn):
             if not (jnp.issubdtype(r.dtype, jnp.floating) and r.shape[:2] == ct_BSD.shape[:2]):
                 return r
             return r + zero_BS.reshape(zero_BS.shape + (1,) * (r.ndim - 2)).astype(r.dtype)
-        return compat.map_vjp_residuals(fence, vjp)(ct_BSD)
+        return compat.map_vjp_residuals(fence, vjp)(ct)
 
     run.defvjp(fwd, bwd)
     return run

@@ -40,7 +40,7 @@ import numpy as np
 from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger import Estimate, Executor, Gpu, Layout, LayoutError, estimate, get_gpu
 from jaxtrain.ledger.layout import layout_from_config
-from jaxtrain.ledger.memory import layer_params_local, workspace_bytes
+from jaxtrain.ledger.memory import layer_params_local, state_bytes, workspace_bytes
 from jaxtrain.tools.device_plan import Planned, plan_devices, scale_to_devices
 
 if TYPE_CHECKING:
@@ -82,6 +82,24 @@ def branch_matmul_flops(cfg: Config, layout: Layout, ex: Executor) -> float:
 
 # ----------------------------------------------------------------------------- compiling
 
+def compiled_state_terms(compiled, abstract_state) -> dict[str, float]:
+    """Per-device bytes of the compiled step's train-state arguments by the ledger's static
+    terms (master: params; moments: Adam's mu and nu; fp8_meta; other: step counts), from
+    the shardings the compiled program takes them in."""
+    import jax
+    import numpy as np
+    shardings = compiled.input_shardings[0][0]
+    out = dict.fromkeys(("master", "moments", "fp8_meta", "other"), 0.0)
+
+    def add(path, leaf, sh):
+        names = [str(getattr(k, "name", getattr(k, "key", k))) for k in path]
+        term = ("master" if names[0] == "params" else "fp8_meta" if names[0] == "fp8_meta"
+                else "moments" if {"mu", "nu"} & set(names) else "other")
+        out[term] += float(np.prod(sh.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+    jax.tree_util.tree_map_with_path(add, abstract_state, shardings)
+    return out
+
+
 @dataclasses.dataclass
 class DryRun:
     """A compiled step next to the ledger's prediction for its layout."""
@@ -99,6 +117,7 @@ class DryRun:
     device_kind: str
     executed: "pipeline_flops.ExecutedFlops"   # matmul FLOPs per device (rank) as run
     executed_wire: dict          # axes -> wire bytes per step per device (rank) as run
+    state_terms: dict = dataclasses.field(default_factory=dict)  # compiled_state_terms
     gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
     attention: tuple = ()        # (the attention core compiled, why: attention.choose)
 
@@ -114,9 +133,9 @@ class DryRun:
     def ledger_memory(self) -> dict[str, float]:
         e = self.estimate
         s = e.static_breakdown
-        temps = sum(v for k, v in s.items() if k != "optimizer") + e.activation_bytes \
-            + e.reserve_bytes
-        return {"state": s["optimizer"], "temp": temps, "total": e.total_bytes,
+        state = state_bytes(s)
+        temps = sum(s.values()) - state + e.activation_bytes + e.reserve_bytes
+        return {"state": state, "temp": temps, "total": e.total_bytes,
                 "temp_no_workspace": temps - workspace_bytes(self.cfg)}
 
     def comm_by_axes(self) -> dict[tuple, "AxisComm"]:
@@ -217,6 +236,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
             out = compile_step(scaled, mesh, extra_options=extra)
         report = None
         mem = hlo.memory(out.compiled)
+        state_terms = compiled_state_terms(out.compiled, out.setup.abstract_train_state)
         raw_colls = hlo.collectives_from_text(out.text, mesh)
         # each computation's executions per step (pipelined: per rank, as its table runs)
         table = pipeline_flops.table_of(est.executor)
@@ -239,4 +259,4 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                   lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
                   executed=pipeline_flops.executed_matmul_flops(out.text, *table),
                   executed_wire=pipeline_flops.executed_wire_bytes(colls, runs),
-                  gpu_report=report, attention=chosen)
+                  gpu_report=report, state_terms=state_terms, attention=chosen)

@@ -78,10 +78,14 @@ def _memory_lines(r: DryRun) -> list[str]:
                  f"chunk residual sets {sets / scale:.2f}; {ex.buffers} chunk inputs of "
                  f"{_human_bytes(e.chunk_input_bytes)}: {ex.inbox_buffer} inbox, "
                  f"{ex.grad_buffer} cotangent, {RECEIVE_BUFFERS} receive)")
-    out.append(f"  ledger terms ({unit}): static {e.static_bytes / scale:.2f} (" + ", ".join(
-        f"{k} {v / scale:.2f}" for k, v in e.static_breakdown.items() if v)
-        + f"; {e.bytes_per_param:.1f} B/param), {acts}, reserve {e.reserve_bytes / scale:.2f}"
-        f" (logits + workspace); {e.reason}")
+    out.append(f"  ledger terms ({unit}): static {e.static_bytes / scale:.2f} "
+               f"({e.bytes_per_param:.1f} B/param), {acts}, reserve "
+               f"{e.reserve_bytes / scale:.2f} (logits + workspace); {e.reason}")
+    out.append(f"  static state per term ({unit})  ledger  compiled")
+    for term, ledger in e.static_breakdown.items():
+        compiled = r.state_terms.get(term) if term != "other" else None
+        where = "argument" if term in r.state_terms and term != "other" else "in temporaries"
+        out.append(f"    {term:<22}  {num(ledger):>6}  {num(compiled) or where:>8}")
     return out
 
 
@@ -194,7 +198,8 @@ def report_json(r: DryRun) -> dict:
         "config": r.config_name, "devices": r.n_devices, "device": r.device_kind,
         "layout": e.layout.short(), "changes": list(r.changes),
         "attention": dict(zip(("core", "why"), r.attention)),
-        "compiled": {"memory": r.memory, "matmul_flops": r.matmul_flops,
+        "compiled": {"memory": r.memory, "state_terms": dict(r.state_terms),
+                     "matmul_flops": r.matmul_flops,
                      "executed_matmul_flops": {
                          "per_rank": list(r.executed.per_rank),
                          "mean": r.executed.mean, "max": r.executed.max,
@@ -205,6 +210,7 @@ def report_json(r: DryRun) -> dict:
                                      for (k, a), v in sorted(hlo.summary(r.collectives).items(),
                                                              key=lambda kv: str(kv[0]))]},
         "ledger": {"memory": lm, "static_bytes": e.static_bytes,
+                   "static_terms": dict(e.static_breakdown),
                    "activation_bytes": e.activation_bytes,
                    "model_flops_per_device": e.model_flops_per_step_full_attn / r.n_devices,
                    "hfu_flops_per_device": e.hfu_flops_per_step_full_attn / r.n_devices},
