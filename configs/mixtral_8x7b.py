@@ -6,10 +6,10 @@ out of data 16, the distributed optimizer (ZeRO-1), 16 microbatches of one 4096-
 dispatch: each token's rows sorted by expert into grouped GEMMs, moved by all-to-all.
 Megatron's moe_act recompute (the experts' SwiGLU, no matmul) with it. The ledger rates this
 layout (`python -m jaxtrain.plan --config configs/mixtral_8x7b.py --devices 64 --gpu h100`,
-the configured row) 40-57% MFU at 70.8 of 72 GiB (Megatron reports 42%); without moe_act the
+the configured row) 39-57% MFU at 70.8 of 72 GiB (Megatron reports 42%); without moe_act the
 stash needs 88.6 GiB and does not fit. Its all-to-all moves 30.1 GB per device per step over
 NVLink (the 8 expert ranks sit in one node). The planner's own pick is tensor 1, stage 2 x 8
-virtual, expert 8, no recompute: 44-66% at 69.9 GiB, closer to the budget. Counted by the
+virtual, expert 8, no recompute: 43-65% at 69.9 GiB, closer to the budget. Counted by the
 ledger only so far: training it needs the executors' expert dispatch.
 """
 from jaxtrain.config import Config, ModelConfig, MoeConfig, TrainConfig

@@ -95,15 +95,18 @@ def expected_bytes(cfg, setup) -> dict[tuple, float]:
     out = collections.Counter()
 
     if layout.data > 1:
-        # Ledger: reduce-scatter of gradients + all-gather of params, N_local/fsdp each.
-        dp = comm.dp_bytes(layout, n_local) * scale
+        # Ledger: the fp32 gradients of N_local/fsdp reduced (ZeRO-1: reduce-scattered, its
+        # params all-gathered in the compute dtype; plain DP: all-reduced, one payload that a
+        # ring moves twice).
+        shard = n_local / layout.fsdp
+        assert comm.dp_bytes(layout, n_local) == (shard * (4 + 2) if layout.zero1
+                                                  else 2 * shard * 4)
+        out[("data",), "reduce"] += shard * 4
         if layout.zero1:
-            out[("data",), "reduce"] += dp / 2
-            out[("data",), "gather"] += dp / 2
+            out[("data",), "gather"] += shard * 2 * scale
         else:
-            # Plain DP all-reduces: one payload, which a ring moves as the ledger's two halves.
             # Norm scales are not fsdp-sharded, so DP reduces all of them, not 1/fsdp.
-            out[("data",), "reduce"] += dp / 2 + n["norm"] * WIDTH * (1 - 1 / layout.fsdp)
+            out[("data",), "reduce"] += n["norm"] * WIDTH * (1 - 1 / layout.fsdp)
 
     if layout.fsdp > 1:
         # Ledger: the layers' weights gathered in each forward and backward pass and their
@@ -291,5 +294,5 @@ def test_context_collectives_match_ledger(name):
     reduced = [c for c in colls if c.axes == ("data", "context")]
     assert reduced and all(not c.in_loop and c.count == 1 for c in reduced)
     n_local = sum(local_elements(setup).values())
-    assert sum(c.bytes_per_step for c in reduced) == pytest.approx(
-        comm.dp_bytes(layout, n_local) * scale / 2, rel=TOLERANCE)
+    assert sum(c.bytes_per_step for c in reduced) == pytest.approx(  # the fp32 gradients
+        n_local * 4, rel=TOLERANCE)

@@ -221,8 +221,8 @@ def test_stage_2_compiles_the_pipelined_step():
     assert sum(c.count for c in permutes) == t.sends == 2 * t.steps
     assert r2.stage_comm()[("collective-permute", True)][0] == pytest.approx(e.comm_bytes["pp"])
     assert e.comm_bytes["pp"] == t.sends * e.chunk_input_bytes
-    ledger_stage, compiled_stage = r2.comm_by_axes()[("stage",)]
-    assert ledger_stage == e.comm_bytes["pp"] + e.comm_bytes["vocab"] <= compiled_stage
+    stage_row = r2.comm_by_axes()[("stage",)]
+    assert stage_row.ledger == e.comm_bytes["pp"] + e.comm_bytes["vocab"] <= stage_row.executed
     assert not any(c.axes and "stage" in c.axes for c in r1.collectives)
 
     # Parameters (fp32 master + Adam m, v are the arguments) per device: about half of
@@ -239,10 +239,13 @@ def test_stage_2_compiles_the_pipelined_step():
         assert sum(r.state_terms.values()) <= r.memory["argument_bytes"]
     # Temporaries: the ledger's executor (stashed residual sets, chunk inputs) + params, grads
     # and logits, without the GPU workspace (256 MiB at this size; XLA:CPU has none):
-    # measured 0.97x (6.15 vs 6.33 MiB; stage=1 1.03x, 3.71 vs 3.60 MiB).
-    for r in (r2, r1):
+    # measured 0.97x (6.15 vs 6.33 MiB). Stage=1 0.87x (2.85 vs 3.29 MiB) since the
+    # unpipelined step adds each layer's gradient into the accumulator (issue 31): XLA:CPU
+    # also reuses the one layer's gradient buffer the ledger keeps; on the H100 compiler the
+    # ledger is within 3% of the fused program (test_gpu_compile's fused-accumulation test).
+    for r, low in ((r2, 0.9), (r1, 0.85)):
         temp_ratio = r.memory["temp_bytes"] / r.ledger_memory()["temp_no_workspace"]
-        assert 0.9 <= temp_ratio <= 1.5, (r.estimate.layout.stage, temp_ratio)
+        assert low <= temp_ratio <= 1.5, (r.estimate.layout.stage, temp_ratio)
 
     # Every branch of every table step predicts the compiled matmuls; executed, each rank's
     # own F and B branches: the unpipelined step's model FLOPs (XLA's full attention square).
@@ -256,7 +259,7 @@ def test_stage_2_compiles_the_pipelined_step():
     for text in ("pipelined: 1f1b, 2 stages x 1 virtual stages of 4 layers",
                  "collective-permute", "activations right, cotangents left (ledger PP",
                  "the executor's 2 + 2 stashed 4-layer chunk residual sets",
-                 "every branch of the 4 steps", "executed (each rank's F and B branches",
+                 "every branch of the 4 steps", "executed per pipeline rank (its F and B",
                  "the same without the GPU workspace", "static state per term",
                  "accumulator", "in temporaries"):
         assert text in out, text
@@ -300,7 +303,7 @@ def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
                  "pipelined: interleaved_1f1b, 2 stages x 8 virtual stages of 5 layers",
                  "activations right, cotangents left", "the executor's 16 + 2 stashed",
                  "FLOPs per device per step", "every branch of the 80 steps",
-                 "executed (each rank's F and B branches"):
+                 "executed per pipeline rank (its F and B"):
         assert text in out, text
     assert "not wired" not in out
 
@@ -318,12 +321,15 @@ def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
     assert r.executed.mean == pytest.approx(e.model_flops_per_step_full_attn / e.n_devices,
                                             rel=0.01)
     # Tensor traffic: the HLO counts every branch's chunk passes per table step, 3.75x the
-    # 128 passes a rank runs (which the ledger counts); beyond that XLA:CPU moves the residual
-    # stream in fp32 and emits more collectives per layer (~4x, as at stage=1).
+    # 128 passes a rank runs (which the ledger counts, and the executed bytes); beyond that
+    # XLA:CPU moves the residual stream in fp32 and emits more collectives per layer (~4x,
+    # as at stage=1). The loss's scalars over other axes are left out.
     comm = r.comm_by_axes()
-    assert {("tensor",), ("stage",)} <= set(comm) <= {("tensor",), ("stage",), ()}
-    ledger_tp, compiled_tp = comm[("tensor",)]
-    assert 1.0 <= compiled_tp / (ledger_tp * r.hlo_pass_factor()) <= 8.0
+    assert set(comm) == {("tensor",), ("stage",)}, comm
+    tp = comm[("tensor",)]
+    # (3.80x measured: the head's collectives run outside the switches, once as counted)
+    assert tp.every_branch == pytest.approx(tp.executed * 3.75, rel=0.03)
+    assert 1.0 <= tp.executed / tp.ledger <= 8.0
     # Stage traffic: the executor's permutes, 2 per table step, bf16 activations carried as
     # f32 by XLA:CPU (2x the ledger's PP); the embedding's and head's gradients' all-reduce
     # after the loop, as the ledger's vocab term.

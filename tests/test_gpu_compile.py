@@ -288,6 +288,34 @@ def test_compiled_memory_is_the_ledgers(h100, tmp_path, name):
     assert abs(compiled / ledger - 1) <= 0.10, (compiled / 2**30, ledger / 2**30)
 
 
+# Each recipe at a depth that keeps its layout (stages, virtual stages, uneven ends) and
+# compiles in about a minute here
+RECIPE_SLICES = {"llama70b_tp8_sp_fsdp8": ["--model.num_layers=8"],
+                 "llama70b_pipelined": ["--model.num_layers=16"],
+                 "llama3_8b": ["--model.num_layers=4"],
+                 "llama3_8b_128k": ["--model.num_layers=4"],
+                 "llama405b": ["--model.num_layers=22", "--parallel.first_stage_layers=2",
+                               "--parallel.last_stage_layers=2"]}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_dry_run_reads_each_recipe_like_for_like(h100, name):
+    """On every recipe (depth-sliced), the dry run's headline rows agree with the ledger: the
+    matmul FLOPs a device executes and every mesh axis's wire bytes within 10%, no axis
+    left with an unexplained difference."""
+    from jaxtrain.tools import dry_run, dry_run_report
+    path, n, overrides = RECIPES[name]
+    r = dry_run.dry_run(load_config(path, overrides + RECIPE_SLICES[name]), target="h100",
+                        devices=n, config_name=name)
+    assert not r.changes, r.changes
+    e = r.estimate
+    flops_off = r.executed.mean / (e.hfu_flops_per_step_full_attn / e.n_devices) - 1
+    comm = r.comm_by_axes()
+    assert abs(flops_off) <= 0.10, flops_off
+    assert all(row.off is not None and abs(row.off) <= 0.10 for row in comm.values()), comm
+    assert not dry_run_report.axis_causes(r)
+
+
 def _compile_recipe(h100, cfg, n, dump):
     """A recipe's step for n H100s; its Mosaic attention kernels checked from the dump."""
     with gpu_kernels.mosaic_dump(dump):
@@ -408,6 +436,23 @@ def test_1f1b_compiled_memory_does_not_grow_with_microbatches(h100):
     growth = {k: (mem[k, 32] - mem[k, 8]) / 24 for k in ("1f1b", "gpipe")}
     assert growth["1f1b"] < 0.05 * growth["gpipe"], (mem, growth)
     assert mem["1f1b", 32] < 1.02 * mem["1f1b", 8], mem
+
+
+# the Mosaic kernels' head size 128; TP with SP, FSDP and data
+ATTENTION_SHAPES = ("--train.seq_len=256", "--model.max_seq_len=256", "--model.hidden_size=256",
+                    "--model.num_heads=2", *LAYOUTS[1])
+
+
+@pytest.mark.parametrize("impl", ["pallas", "mosaic", "cudnn"])
+def test_attention_kernels_count_as_the_dense_attentions_matmuls(h100, impl):
+    """A step whose attention runs in a kernel executes, as the dry run counts it, the matmul
+    FLOPs of the same step on XLA's attention (dots over the full square): each kernel call
+    counts as the dense attention's matmuls it stands for (measured: equal to the FLOP)."""
+    kernel = _compile(h100, f"--model.attention={impl}", *ATTENTION_SHAPES)
+    dense = _compile(h100, "--model.attention=xla", *ATTENTION_SHAPES)
+    counted = pipeline_flops.executed_matmul_flops(kernel.text, None).mean
+    assert counted == pytest.approx(hlo.matmul_flops_from_text(dense.text), rel=1e-9)
+    assert counted > 1.2 * hlo.matmul_flops_from_text(kernel.text)   # the kernels' share
 
 
 # ----------------------------------------------------------------------------- context

@@ -277,7 +277,8 @@ def test_comm_formulas_small_layout():
     # masters and Adam moments of both tables stay on every stage rank, and DP reduces them.
     n_local = 4 * layer_local + table + 1024
     assert est.params_local == n_local
-    assert est.comm_bytes["dp"] == 2 * (n_local + table) * 2
+    # ZeRO-1: the fp32 gradients reduce-scattered, the bf16 params all-gathered
+    assert est.comm_bytes["dp"] == (n_local + table) * (4 + 2)
     # The tables' fp32 gradients go from their rank to every stage rank (an all-reduce, p=2),
     # of their ZeRO-1 shard over data 2.
     assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * table + 1024) * 4 / 2

@@ -1,8 +1,10 @@
 """Communication volume per device per step, the link each axis rides on, and the bubble.
 
 Conventions (docs/design.md §5), N_local = parameters one device holds after TP and PP:
-- DP (ZeRO-1 or plain): reduce-scatter grads + all-gather params ≈ 2·N_local·2 bytes (bf16
-  reduction, Megatron's --grad-reduce-in-bf16); with FSDP the shard N_local/fsdp is reduced.
+- DP: the step reduces its fp32 gradient sums (Megatron's default for bf16, not its
+  --grad-reduce-in-bf16): ZeRO-1 reduce-scatters them and all-gathers the bf16 params,
+  N_local·(4 + 2) bytes; plain DP all-reduces them, 2·N_local·4; with FSDP the shard
+  N_local/fsdp is reduced.
 - Layer collectives are counted per layer pass (`Passes`: forward and backward passes of one
   layer for one microbatch per device per step): without stages L·m of each; with stages the
   pipeline executor's (ledger.pipeline): each rank's m·v chunk forwards and backwards, of the
@@ -17,7 +19,12 @@ Conventions (docs/design.md §5), N_local = parameters one device holds after TP
 - TP with SP: per layer per microbatch 10 sequence-sized collectives of (t-1)/t·s·b·h·2 (the
   forward's 2 all-gathers + 2 reduce-scatters; the backward's 2 all-gathers of the output
   cotangents, 2 re-gathers of the norm outputs for the weight gradients, 2 reduce-scatters:
-  Megatron-SP's). Without SP, 4 all-reduces of 2·(t-1)/t·s·b·h·2, half in each pass.
+  Megatron-SP's). Without SP, 4 all-reduces of 2·(t-1)/t·s·b·h·2, half in each pass. A
+  forward that full recompute re-runs skips its last collective (the layer's output) and,
+  with SP, spares the backward its 2 re-gathers: 11 per layer per microbatch with SP, not 14
+  (measured on the unpipelined step; estimate.py leaves the pipelined one at 14). Outside
+  the layers, with SP, 5 per microbatch: the embedding's and the head's (`tp_rest_bytes`;
+  unpipelined only: on a pipeline the embedding and head ranks are not yet modelled apart).
 - PP: the executor's 2 sends (activation right, cotangent left) per table step, idle steps
   included, of one chunk input (s·b·h in the compute dtype, /t under SP).
 - Vocab (stages only): the embedding's gradient (rank 0) and the head's (+ final norm, rank
@@ -76,12 +83,14 @@ def bubble_fraction(stage: int, microbatches: int, virtual_stages: int = 1) -> f
 
 
 def dp_bytes(layout: Layout, n_local: float, n_experts_local: float = 0.0) -> float:
-    """Params are replicated over data and context, so both reduce gradients; of them the
-    `n_experts_local` expert parameters only over the data·context/expert ranks."""
+    """Params are replicated over data and context, so both reduce gradients: the fp32
+    gradient sums (4 bytes, what the step reduces), then ZeRO-1's bf16 params gathered; of
+    them the `n_experts_local` expert parameters only over the data·context/expert ranks."""
     if layout.data * layout.context == 1:
         return 0.0
     n = n_local - (n_experts_local if layout.data * layout.context == layout.expert else 0.0)
-    return 2.0 * (n / layout.fsdp) * 2
+    shard = n / layout.fsdp
+    return shard * (4 + 2) if layout.zero1 else 2.0 * shard * 4
 
 
 def fsdp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
@@ -120,9 +129,24 @@ def tp_bytes_per_layer_microbatch(cfg: Config, layout: Layout, seq_len: int) -> 
     return sum(tp_pass_bytes(cfg, layout, seq_len))
 
 
-def tp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes) -> float:
+def tp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
+    """TP outside the layers with SP, per microbatch: the embedding's output reduce-scattered
+    to the sequence shards and its cotangent gathered; the head's input gathered, its
+    cotangent reduce-scattered and the input gathered again for the head's weight gradient:
+    5 sequence-sized collectives (the GPU compiler's Llama 3 8B step at TP 2)."""
+    if layout.tensor == 1 or not layout.sequence_parallel:
+        return 0.0
+    return 5 * tp_pass_bytes(cfg, layout, seq_len)[0] / 4 * layout.microbatches
+
+
+def tp_bytes(cfg: Config, layout: Layout, seq_len: int, passes: Passes,
+             recomputed: float = 0.0) -> float:
+    """`recomputed`: the forward passes of `passes` that full recompute re-runs. Such a pass
+    drops its last collective (the layer's output, which the next checkpoint holds) and, with
+    SP, leaves its gathered norm outputs to the backward (2 re-gathers fewer): 3 fewer."""
     fwd, bwd = tp_pass_bytes(cfg, layout, seq_len)
-    return fwd * passes.forward + bwd * passes.backward
+    saved = 3 * fwd / 4 if layout.sequence_parallel else fwd / 2
+    return fwd * passes.forward + bwd * passes.backward - saved * recomputed
 
 
 def pp_bytes(cfg: Config, layout: Layout, seq_len: int, ex: Executor | None) -> float:

@@ -280,14 +280,18 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
                   / cfg.model.num_layers if remat.granularity == "full" else 0.0)
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
     layer_local = memory.layer_params_local(cfg, L.tensor, L.expert)
+    # the forward passes full recompute adds (the backward reuses what they gather)
+    rerun = passes.forward - comm.layer_passes(L, stage_layers, ex).forward
     volumes = {"dp": comm.dp_bytes(L, n_state, n_expert),
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
                + comm.fsdp_rest_bytes(cfg, L, seq),
-               "tp": comm.tp_bytes(cfg, L, seq, passes), "pp": comm.pp_bytes(cfg, L, seq, ex),
-               "vocab": comm.vocab_bytes(cfg, L),
-               # the forward passes full recompute adds: the backward reuses their K/V
-               "cp": comm.cp_bytes(cfg, L, seq, passes, passes.forward - comm.layer_passes(
-                   L, stage_layers, ex).forward),
+               # re-run forwards' TP savings counted on the unpipelined step (the 128k
+               # recipe: 6 all-gathers + 5 reduce-scatters per layer per microbatch); the
+               # pipelined chunk's B not yet measured per layer (405B: 0.93x without them)
+               "tp": comm.tp_bytes(cfg, L, seq, passes, rerun if ex is None else 0.0)
+               + (comm.tp_rest_bytes(cfg, L, seq) if ex is None else 0.0),
+               "pp": comm.pp_bytes(cfg, L, seq, ex), "vocab": comm.vocab_bytes(cfg, L),
+               "cp": comm.cp_bytes(cfg, L, seq, passes, rerun),
                "ep": experts.all_to_all_bytes(cfg, L, remat, seq, passes)}
     links = {k: comm.link(L, comm.COMM_AXES[k], gpu) for k in COMM_KINDS}
     seconds = {k: volumes[k] / links[k][1] for k in COMM_KINDS}

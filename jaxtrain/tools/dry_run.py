@@ -16,22 +16,26 @@ the ledger models the lock-step executor itself, see jaxtrain.ledger.pipeline):
   ledger's 12 optimizer bytes per parameter; its temporaries (activations, the compute-dtype
   parameter copy, fp32 gradients and accumulators, logits, workspace) against the ledger's
   bf16 copy + gradients + activations + reserve; the totals.
-- communication: ring wire bytes per mesh axis per step of the compiled collectives (CPU's
-  all-reduce-then-slice counted as the reduce-scatter a GPU emits) against the ledger's
-  volumes, which use the same convention. The stage axis is split by kind: the executor's
-  collective-permutes against the ledger's PP sends; the rest (the all-reduce of the
-  replicated embedding and head gradients, parameter resharding) listed with what it is.
-  The HLO reader counts a conditional's collectives in every table step, where the ledger
-  counts the chunk passes the executor runs; the output gives the factor.
-- FLOPs: the ledger's model and hardware FLOPs per device against the compiled matmuls (loops
-  counted by trip count) and XLA's cost_analysis (which counts a scanned layer's body once).
-  Pipelined, every table step's F and B branches (a B recomputes its chunk) and the head are
-  counted, as the HLO reader does, which predicts the compiled count.
+- communication: ring wire bytes per mesh axis per step of the collectives a device executes
+  (pipelined: each rank's F and B switch branches as its table takes them, the ranks'
+  mean; CPU's all-reduce-then-slice counted as the reduce-scatter a GPU emits) against the
+  ledger's volumes (its DP and FSDP payloads as the (g-1)/g a ring moves); an axis more
+  than 10% off carries its cause, and what the HLO counts in every branch of every table
+  step is a detail line. The
+  stage axis is split by kind: the executor's collective-permutes against the ledger's PP
+  sends; the rest (the all-reduce of the replicated embedding and head gradients, parameter
+  resharding) listed with what it is.
+- FLOPs: the ledger's model and hardware FLOPs per device against the matmuls the compiled
+  step executes (loops by trip count, attention kernels as their dense matmuls, pipelined
+  each rank's branches as above); as detail lines, what the HLO counts in every branch and
+  XLA's cost_analysis (which counts a scanned layer's body once).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger import Estimate, Executor, Gpu, Layout, LayoutError, estimate, get_gpu
@@ -41,6 +45,24 @@ from jaxtrain.tools.device_plan import Planned, plan_devices, scale_to_devices
 
 if TYPE_CHECKING:
     from jaxtrain.tools import gpu_program, pipeline_flops
+
+
+# Axes the ledger has no term for that move less than this share of the step's wire bytes
+# (the loss's and the gradient norm's scalars, the norm scales' gradients) are left out of
+# the report's rows; the collectives table still lists them.
+NEGLIGIBLE_SHARE = 1e-3
+
+
+class AxisComm(NamedTuple):
+    """One mesh axes' communication per device per step, bytes."""
+    ledger: float | None     # the ledger's volume (None: it has no term for these axes)
+    executed: float          # wire bytes of the collectives a device runs (ranks' mean)
+    every_branch: float | None   # the HLO's count: every branch of every conditional
+
+    @property
+    def off(self) -> float | None:
+        """executed / ledger - 1, None without a ledger term."""
+        return self.executed / self.ledger - 1 if self.ledger else None
 
 
 def branch_matmul_flops(cfg: Config, layout: Layout, ex: Executor) -> float:
@@ -93,9 +115,10 @@ class DryRun:
     lower_s: float
     compile_s: float
     device_kind: str
+    executed: "pipeline_flops.ExecutedFlops"   # matmul FLOPs per device (rank) as run
+    executed_wire: dict          # axes -> wire bytes per step per device (rank) as run
     state_terms: dict = dataclasses.field(default_factory=dict)  # compiled_state_terms
     gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
-    executed: "pipeline_flops.ExecutedFlops | None" = None  # pipelined: per rank, as run
     attention: tuple = ()        # (the attention core compiled, why: attention.choose)
 
     @property
@@ -115,34 +138,31 @@ class DryRun:
         return {"state": state, "temp": temps, "total": e.total_bytes,
                 "temp_no_workspace": temps - workspace_bytes(self.cfg)}
 
-    def hlo_pass_factor(self) -> float:
-        """Compiled over ledger layer traffic (TP, FSDP) from counting alone: the HLO reader
-        counts a chunk's collectives in every branch of every table step (3 forward passes:
-        two F branches and the last stage's B; 2 or 3 backward ones), the ledger the passes a
-        rank runs. 1 without stages."""
-        ex = self.executor
-        if ex is None:
-            return 1.0
-        backward = 3 if ex.stages * ex.virtual_stages > 2 else 2
-        return (3 + backward) * ex.steps / (ex.forward_passes + ex.backward_passes)
-
-    def comm_by_axes(self) -> dict[tuple, tuple[float | None, float | None]]:
-        """axes -> (ledger bytes, compiled wire bytes) per device per step."""
+    def comm_by_axes(self) -> dict[tuple, "AxisComm"]:
+        """axes -> the ledger's bytes and the compiled step's wire bytes per device per step,
+        executed and in every branch; negligible axes the ledger has no term for left out
+        (NEGLIGIBLE_SHARE)."""
         from jaxtrain.tools import hlo
-        compiled: dict = {}
+        every: dict = {}
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
-            compiled[axes] = compiled.get(axes, 0.0) + b
+            every[axes] = every.get(axes, 0.0) + b
         c, L = self.estimate.comm_bytes, self.estimate.layout
         # Gradients are reduced once over the data-parallel group: data and context.
         dp_axes = tuple(a for a in ("data", "context") if L.degree(a) > 1) or ("data",)
+        # The ledger's DP and FSDP volumes are payloads (§5: Megatron's 2·N for DP), of which
+        # a ring moves (g-1)/g over g devices; its other terms are wire bytes already.
+        ring = lambda g: (g - 1) / g  # noqa: E731
+        dp_group = L.data * L.context
         # The vocab tables' gradients reach every stage rank in an all-reduce over stage.
-        ledger = {("tensor",): c["tp"], dp_axes: c["dp"], ("fsdp",): c["fsdp"],
-                  ("stage",): c["pp"] + c["vocab"]}
+        ledger = {("tensor",): c["tp"], dp_axes: c["dp"] * ring(dp_group),
+                  ("fsdp",): c["fsdp"] * ring(L.fsdp), ("stage",): c["pp"] + c["vocab"]}
         if L.context > 1:  # the attention's K/V (and dK/dV) over context
             ledger[("context",)] = ledger.get(("context",), 0.0) + c["cp"]
-        keys = [k for k in ledger if ledger[k] or k in compiled]
-        keys += sorted((k for k in compiled if k not in ledger), key=str)
-        return {k: (ledger.get(k), compiled.get(k)) for k in keys}
+        keys = [k for k in ledger if ledger[k] or every.get(k)]
+        floor = NEGLIGIBLE_SHARE * sum(every.values())
+        keys += sorted((k for k in every if k not in ledger and every[k] > floor), key=str)
+        return {k: AxisComm(ledger.get(k), float(np.mean(self.executed_wire.get(k, 0.0))),
+                            every.get(k)) for k in keys}
 
     def stage_comm(self) -> dict[tuple[str, bool], list]:
         """(kind, in the schedule loop) -> [wire bytes per step, runs per step, payload of one
@@ -182,7 +202,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     from jaxtrain import xla_flags
     from jaxtrain.model import attention
     from jaxtrain.parallel import sharding
-    from jaxtrain.tools import gpu_kernels, gpu_program, hlo, targets
+    from jaxtrain.tools import gpu_kernels, gpu_program, hlo, pipeline_flops, targets
     from jaxtrain.tools.compile_step import compile_step
     if target is not None:
         tgt = targets.get(target)
@@ -207,6 +227,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     chosen = attention.choose(scaled.model, sharding.platform(mesh),
                               sharding.compute_capability(mesh))
     flash = chosen[0] in ("pallas", "mosaic", "cudnn")
+    est = estimate(scaled, layout_from_config(scaled, len(present)), gpu, flash=flash)
     with tempfile.TemporaryDirectory(prefix="jaxtrain-dump-") as dump:
         # the dumps hold each Pallas kernel's launch and PTX (registers, spills)
         extra = {"xla_dump_to": dump} if is_gpu and flash else None
@@ -217,26 +238,25 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
         mem = hlo.memory(out.compiled)
         state_terms = compiled_state_terms(out.compiled, out.setup.abstract_train_state)
         raw_colls = hlo.collectives_from_text(out.text, mesh)
+        # each computation's executions per step (pipelined: per rank, as its table runs)
+        table = pipeline_flops.table_of(est.executor)
+        runs = pipeline_flops.executed_runs(out.text, *table)
         if is_gpu:
             device_memory = (targets.get(target).memory_bytes if target else
                              (present[0].memory_stats() or {}).get("bytes_limit", 0))
             report = gpu_program.GpuReport.read(
                 out.text, mesh, dump if extra else None, device_memory, mem["total_bytes"],
-                xla_flags.for_platform(scaled, "gpu", mesh.shape), raw_colls, mosaic_dir)
+                xla_flags.for_platform(scaled, "gpu", mesh.shape), raw_colls, mosaic_dir,
+                {k: float(np.mean(v)) for k, v in runs.items()})
     colls = hlo.reclassify_sliced_all_reduce(raw_colls)
     try:
         xla_flops = hlo.compiled_flops(out.compiled)
     except hlo.HloAnalysisUnavailable:
         xla_flops = None
-    layout = layout_from_config(scaled, len(present))
-    est = estimate(scaled, layout, gpu, flash=flash)
-    executed = None
-    if est.executor is not None:
-        from jaxtrain.tools import pipeline_flops
-        executed = pipeline_flops.for_step(out.text, est.executor)
     return DryRun(config_name=config_name, cfg=scaled, planned=planned, changes=changes,
                   estimate=est, memory=mem, collectives=colls,
                   matmul_flops=hlo.matmul_flops_from_text(out.text), xla_flops=xla_flops,
                   lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
-                  gpu_report=report, executed=executed, state_terms=state_terms,
-                  attention=chosen)
+                  executed=pipeline_flops.executed_matmul_flops(out.text, *table),
+                  executed_wire=pipeline_flops.executed_wire_bytes(colls, runs),
+                  gpu_report=report, state_terms=state_terms, attention=chosen)

@@ -177,16 +177,19 @@ def _hides(instr) -> bool:
     return instr.opcode == "fusion" and bool(_FUSION_KIND_RE.search(instr.attrs))
 
 
-def overlap_by_axis(acs: list[AsyncCollective]) -> dict[tuple | None, tuple[float, float]]:
-    """mesh axes -> (wire bytes per step with compute between start and done, all of them)."""
+def overlap_by_axis(acs: list[AsyncCollective], runs: dict | None = None
+                    ) -> dict[tuple | None, tuple[float, float]]:
+    """mesh axes -> (wire bytes per step with compute between start and done, all of them);
+    `runs`: executions per step of each computation as a device runs it (a pipelined step's
+    executed runs, pipeline_flops.executed_runs), else every branch of every conditional."""
     out: dict = {}
     for a in acs:
         c = a.collective
         if not c.axes:
             continue
+        wire = c.wire_bytes_per_step if runs is None else c.wire_bytes * runs[c.computation]
         hidden, total = out.get(c.axes, (0.0, 0.0))
-        out[c.axes] = (hidden + (c.wire_bytes_per_step if a.overlapped else 0.0),
-                       total + c.wire_bytes_per_step)
+        out[c.axes] = (hidden + (wire if a.overlapped else 0.0), total + wire)
     return out
 
 
@@ -201,20 +204,22 @@ class GpuReport:
     device_memory: int          # bytes the target device reports
     total_bytes: int | None     # the compiled step's footprint per device
     xla_options: dict = dataclasses.field(default_factory=dict)  # what it compiled with
+    runs: dict | None = None    # computation -> executions per step as a device runs it
 
     @classmethod
     def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes,
-             xla_options: dict | None = None, collectives=None, mosaic_dir=None):
+             xla_options: dict | None = None, collectives=None, mosaic_dir=None,
+             runs: dict | None = None):
         names = pallas_kernel_names(text)
         ks = kernels(dump_dir, names) if names and dump_dir is not None else []
         mosaic = mosaic_kernel_names(text)
         if mosaic and mosaic_dir is not None:
             ks += mosaic_kernels(mosaic_dir, mosaic)
         return cls(gemm_summary(gemms(text)), async_collectives(text, mesh, collectives), ks,
-                   device_memory, total_bytes, dict(xla_options or {}))
+                   device_memory, total_bytes, dict(xla_options or {}), runs)
 
     def overlap(self) -> dict:
-        return overlap_by_axis(self.collectives)
+        return overlap_by_axis(self.collectives, self.runs)
 
     def async_pairs(self) -> dict[str, tuple[int, int]]:
         """kind -> (async start/done pairs, synchronous ops)."""
@@ -238,8 +243,11 @@ class GpuReport:
             out.append(f"    {backend:12} {dtype:14} {n:5d}  {f:10.4g}  {f / total:5.1%}")
         out.append("  collectives (async start/done pairs, synchronous ops): " + ", ".join(
             f"{k} {p}/{s}" for k, (p, s) in sorted(self.async_pairs().items())))
-        out.append("  static overlap: wire bytes with compute scheduled between start and done")
+        out.append("  static overlap: wire bytes with compute scheduled between start and done"
+                   + (" (as a device executes them)" if self.runs is not None else ""))
         for axes, (hidden, all_) in sorted(self.overlap().items(), key=lambda kv: str(kv[0])):
+            if all_ < 1e6:   # the loss's and the gradient norm's scalars
+                continue
             label = "?" if axes is None else ",".join(axes)
             out.append(f"    {label:14} {hidden / 1e9:10.3f} of {all_ / 1e9:10.3f} GB  "
                        f"{hidden / all_ if all_ else 0:6.1%}")

@@ -233,16 +233,45 @@ def _inferred_trips(loop: Instr, comp: Computation, comps: dict[str, Computation
     return limits[0] - start
 
 
-def _reach(comps: dict[str, Computation], entry: str) -> dict[str, _Reach]:
-    """Executions per step of every computation, summed over call sites."""
-    callers: dict[str, list[tuple[str, int | None, bool]]] = {n: [] for n in comps}
+def _callers(comps: dict[str, Computation], branch_weights: dict | None = None) -> dict:
+    """callee -> [(caller, factor, is_loop)]: a loop's trips (None when unknown), a weighted
+    conditional's per-branch factor (`branch_weights`: op name -> one factor per branch),
+    else 1."""
+    callers: dict[str, list] = {n: [] for n in comps}
     for comp in comps.values():
         for instr in comp.instrs:
-            for callee, trips, is_loop in callees(instr):
+            weights = (branch_weights or {}).get(instr.name)
+            for k, (callee, trips, is_loop) in enumerate(callees(instr)):
                 if is_loop and trips is None:
                     trips = _inferred_trips(instr, comp, comps)
+                if weights is not None:
+                    trips = weights[k]
                 if callee in callers:
                     callers[callee].append((comp.name, trips, is_loop))
+    return callers
+
+
+def weighted_runs(comps: dict[str, Computation], entry: str, branch_weights: dict) -> dict:
+    """Executions per step of every computation when the branches of the conditionals named
+    in `branch_weights` run the given fractions of their switch's runs (factors may be
+    arrays, e.g. one per pipeline rank); every other call as `_reach` counts it."""
+    callers, memo = _callers(comps, branch_weights), {entry: 1.0}
+
+    def visit(name: str, stack: frozenset):
+        if name not in memo:
+            memo[name] = sum((visit(c, stack | {name}) * (1 if f is None else f)
+                              for c, f, _ in callers[name] if c not in stack), 0.0) \
+                if callers[name] else 1.0   # an orphan as `_reach` counts it
+        return memo[name]
+
+    for name in comps:
+        visit(name, frozenset())
+    return memo
+
+
+def _reach(comps: dict[str, Computation], entry: str) -> dict[str, _Reach]:
+    """Executions per step of every computation, summed over call sites."""
+    callers = _callers(comps)
     memo: dict[str, _Reach] = {}
 
     def visit(name: str, stack: frozenset) -> _Reach:
@@ -274,8 +303,14 @@ def _reach(comps: dict[str, Computation], entry: str) -> dict[str, _Reach]:
 def parsed(text: str) -> tuple[dict[str, Computation], dict[str, _Reach]]:
     """(computations, their reach) of a module text: parsed once when several readers ask
     (the dry run reads collectives and FLOPs of the same large module)."""
-    comps, entry = parse_module(text)
+    comps, entry = module(text)
     return comps, _reach(comps, entry)
+
+
+@functools.lru_cache(maxsize=2)
+def module(text: str) -> tuple[dict[str, Computation], str]:
+    """parse_module, once per text for the readers that share a module."""
+    return parse_module(text)
 
 
 def ints(text: str) -> list[int]:

@@ -1,14 +1,17 @@
-"""The matmul FLOPs a pipelined step executes per device, read from its compiled program.
+"""What a step executes per device, read from its compiled program: matmul FLOPs and
+collective wire bytes, per pipeline rank.
 
-`hlo.matmul_flops` counts every branch of every conditional: for the executor's lock-step
-loop that is each step's F and B switch with all their branches (idle, from the inbox, from
-the pipeline input; the stashed pullback, the last stage's forward + head + backward, ...).
-A rank runs one branch of each per step, and which one is in the schedule's table. Here each
-branch's matmul FLOPs (dots and GEMM custom calls reachable from it, loops by trip count) are
-weighted by how many steps rank r takes it; everything outside the two switches counts as
-it runs. Conditionals nested inside a chunk (uneven stages' per-layer switch, mixed FP8/bf16
-chunks) still count every branch. The switches are found by the name scopes the executor puts
-on them (pipeline_executor.F_SCOPE, B_SCOPE) in the HLO's op_name metadata.
+`hlo.matmul_flops` and `hlo.collectives` count every branch of every conditional: for the
+executor's lock-step loop that is each step's F and B switch with all their branches (idle,
+from the inbox, from the pipeline input; the stashed pullback, the last stage's forward +
+head + backward, ...). A rank runs one branch of each per step, and which one is in the
+schedule's table. Here every computation's executions are counted with each switch branch
+weighted by how many steps rank r takes it (`executed_runs`); everything outside the two
+switches counts as it runs. The FLOPs are the matmuls' (dots, GEMM custom calls) and the
+attention kernels' (kernel_flops); the bytes are ring wire bytes per mesh axes.
+Conditionals nested inside a chunk (uneven stages' per-layer switch, mixed FP8/bf16 chunks)
+still count every branch. The switches are found by the name scopes the executor puts on
+them (pipeline_executor.F_SCOPE, B_SCOPE) in the HLO's op_name metadata.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import re
 
 import numpy as np
 
-from jaxtrain.tools import hlo, hlo_module
+from jaxtrain.tools import hlo, hlo_module, kernel_flops
 from jaxtrain.parallel.pipeline_executor import B_SCOPE, F_SCOPE
 
 _OP_NAME_RE = re.compile(r'^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\bop_name="([^"]*)"')
@@ -59,7 +62,7 @@ def _flops_under(comps, name: str, memo: dict) -> float:
         return memo[name]
     comp, total = comps[name], 0.0
     for instr in comp.instrs:
-        total += hlo.matmul_flops_of(instr, comp)
+        total += kernel_flops.executed_flops_of(instr, comp)
         for callee, trips, _ in hlo_module.callees(instr):
             if callee in comps:
                 total += (trips or 1) * _flops_under(comps, callee, memo)
@@ -71,41 +74,87 @@ def _op_names(text: str) -> dict:
     return {m.group(1): m.group(2) for m in map(_OP_NAME_RE.match, text.splitlines()) if m}
 
 
-def executed_matmul_flops(text: str, columns: dict, stages: int,
-                          virtual_stages: int) -> ExecutedFlops:
-    """Per-rank executed matmul FLOPs of a compiled pipelined step (`text`: its HLO) whose
-    schedule loop ran the lock-step table `columns` (Schedule.table.columns)."""
-    comps, reach = hlo_module.parsed(text)
-    names, memo = _op_names(text), {}
-    counts = branch_counts(columns, stages, virtual_stages)
-    num_steps = columns["f_chunk"].shape[0]
-    every = hlo.matmul_flops_from_text(text)
-    per_rank = np.full(stages, every)
-    branches = {}
+def _switches(text: str, comps: dict) -> dict:
+    """op name -> "f" / "b": the executor's F and B switches (not conditionals nested in
+    their branches), found by their name scopes."""
+    names, out = _op_names(text), {}
     for comp in comps.values():
         for instr in comp.instrs:
             if instr.opcode != "conditional":
                 continue
-            # the switch itself, not a conditional nested in its branches
             scope = names.get(instr.name, "").rsplit("/", 2)[-2:]
             kind = {F_SCOPE: "f", B_SCOPE: "b"}.get(scope[0]) if scope[-1:] == ["cond"] else None
-            if kind is None:
-                continue
-            flops = np.asarray([_flops_under(comps, c, memo)
-                                for c, _, _ in hlo_module.callees(instr)])
-            if len(flops) != counts[kind].shape[1]:
-                raise hlo_module.HloParseError(
-                    f"the {kind.upper()} switch %{instr.name} has {len(flops)} branches, the "
-                    f"executor's {counts[kind].shape[1]}: pass the HLO of a pipelined step")
-            runs = reach[comp.name].count / num_steps   # the schedule loop's steps
-            per_rank += runs * (counts[kind] @ flops - num_steps * flops.sum())
-            branches[kind] = tuple(float(x) for x in flops)
-    return ExecutedFlops(tuple(float(x) for x in per_rank), float(every), branches)
+            if kind is not None:
+                out[instr.name] = (kind, instr)
+    return out
+
+
+def executed_runs(text: str, columns: dict | None, stages: int = 1,
+                  virtual_stages: int = 1) -> dict:
+    """computation -> float [stages]: its executions per step on a device of each pipeline
+    rank, each F / B switch branch weighted by the steps the table `columns`
+    (Schedule.table.columns) takes it; without a table (None) every computation as it runs
+    (no switches: one rank)."""
+    comps, entry = hlo_module.module(text)
+    if columns is None:
+        return {k: np.ones(1) * v for k, v in
+                hlo_module.weighted_runs(comps, entry, {}).items()}
+    counts = branch_counts(columns, stages, virtual_stages)
+    num_steps = columns["f_chunk"].shape[0]
+    weights = {}
+    for name, (kind, instr) in _switches(text, comps).items():
+        branches = len(hlo_module.callees(instr))
+        if branches != counts[kind].shape[1]:
+            raise hlo_module.HloParseError(
+                f"the {kind.upper()} switch %{name} has {branches} branches, the "
+                f"executor's {counts[kind].shape[1]}: pass the HLO of a pipelined step")
+        weights[name] = [counts[kind][:, i] / num_steps for i in range(branches)]
+    runs = hlo_module.weighted_runs(comps, entry, weights)
+    return {k: np.ones(stages) * v for k, v in runs.items()}
+
+
+def executed_matmul_flops(text: str, columns: dict | None, stages: int = 1,
+                          virtual_stages: int = 1) -> ExecutedFlops:
+    """Per-rank executed matmul FLOPs (GEMMs, dots, attention kernels: kernel_flops)
+    of a compiled step (`text`: its HLO); pipelined, its schedule loop ran the lock-step table
+    `columns` (Schedule.table.columns), else None."""
+    comps, reach = hlo_module.parsed(text)
+    runs = executed_runs(text, columns, stages, virtual_stages)
+    per_rank, every = np.zeros(stages if columns is not None else 1), 0.0
+    for comp in comps.values():
+        for instr in comp.instrs:
+            flops = kernel_flops.executed_flops_of(instr, comp)
+            if flops:
+                per_rank += flops * runs[comp.name]
+                every += flops * reach[comp.name].count
+    memo, branches = {}, {}
+    for kind, instr in (_switches(text, comps).values() if columns is not None else ()):
+        branches[kind] = tuple(_flops_under(comps, c, memo) for c, _, _ in
+                               hlo_module.callees(instr))
+    return ExecutedFlops(tuple(float(x) for x in per_rank), every, branches)
+
+
+def executed_wire_bytes(collectives, runs: dict) -> dict:
+    """mesh axes -> float [stages]: ring wire bytes per step on a device of each pipeline rank
+    of `collectives` (hlo.Collective of a step), each run as often as its computation
+    executes (`runs`: executed_runs of the same step), not in every branch."""
+    out: dict = {}
+    for c in collectives:
+        out[c.axes] = out.get(c.axes, 0.0) + c.wire_bytes * runs[c.computation]
+    return out
+
+
+def table_of(ex) -> tuple:
+    """(columns, stages, virtual stages) of the ledger's Executor `ex` (its lock-step table
+    rebuilt from the schedule), the arguments the readers above take; (None, 1, 1) without."""
+    if ex is None:
+        return None, 1, 1
+    from jaxtrain.ledger.pipeline_schedule import build_schedule
+    table = build_schedule(ex.schedule, ex.stages, ex.microbatches, ex.virtual_stages).table
+    return table.columns, ex.stages, ex.virtual_stages
 
 
 def for_step(text: str, ex) -> ExecutedFlops:
     """executed_matmul_flops of a compiled train step whose schedule is the ledger's
-    Executor `ex` (its table is rebuilt from the schedule)."""
-    from jaxtrain.ledger.pipeline_schedule import build_schedule
-    table = build_schedule(ex.schedule, ex.stages, ex.microbatches, ex.virtual_stages).table
-    return executed_matmul_flops(text, table.columns, ex.stages, ex.virtual_stages)
+    Executor `ex` (None: unpipelined)."""
+    return executed_matmul_flops(text, *table_of(ex))

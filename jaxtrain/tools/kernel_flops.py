@@ -1,0 +1,58 @@
+"""The matmul FLOPs of a compiled op as a step executes them: GEMMs and dots (hlo.py), and
+the attention kernels whose matmuls no dot shows, counted as the dense attention's."""
+from __future__ import annotations
+
+import re
+
+from jaxtrain.tools import hlo, hlo_module
+
+# Attention kernels (custom calls whose matmuls no dot shows): the project's flash kernels
+# (Pallas Triton and Mosaic GPU by the kernel name in their attributes) and cuDNN's fused
+# attention by target, each -> its matmuls in the dense algorithm's count (forward QK^T and PV;
+# backward dV, dP, dQ, dK: the dK/dV kernel two, the dQ kernel two), each 2·B·Sq·Sk·H·D
+# over the full square as the ledger's *_full_attn counts: what the kernels skip (the causal
+# half) and recompute (S, P in both backward kernels) is left out.
+_ATTENTION_KERNELS = (
+    (re.compile(r'custom_call_target="(?:__gpu\$xla\.gpu\.triton|mosaic_gpu(?:_v2)?)".*'
+                r'jaxtrain_(?:mosaic_)?flash_(?:fwd|bwd_dkv|bwd_dq)\b'), 2),
+    (re.compile(r'custom_call_target="__cudnn\$fmha\w*Backward'), 4),
+    (re.compile(r'custom_call_target="__cudnn\$fmha'), 2))
+_FLOAT_4D_RE = re.compile(r"\b(?:bf16|f16|f32|f8\w*)\[(\d+),(\d+),(\d+),(\d+)\]")
+
+
+def attention_kernel_flops_of(instr, comp) -> int:
+    """The dense-equivalent matmul FLOPs of an attention kernel call (0 for anything else).
+    Its first result (out, dK or dQ) and each 4-D float operand (q, k, v, dO), in any of the
+    kernels' layouts, hold B first, D last, a head count and a sequence length (the larger
+    of the two): the kernel spans Sq x Sk (one length when they are equal) over the most
+    heads any of them has (q's)."""
+    if instr.opcode != "custom-call":
+        return 0
+    matmuls = next((n for pattern, n in _ATTENTION_KERNELS if pattern.search(instr.attrs)), 0)
+    if not matmuls:
+        return 0
+    result = _FLOAT_4D_RE.search(instr.shape)
+    shapes = [sh if sh else comp.by_name[o].shape if o in comp.by_name else ""
+              for o, sh in zip(instr.operands, instr.operand_shapes)]
+    operands = [tuple(map(int, m.groups())) for sh in shapes
+                for m in [_FLOAT_4D_RE.match(sh.lstrip("("))] if m]
+    if result is None or not operands:
+        raise hlo_module.HloParseError(f"attention kernel %{instr.name} in {comp.name}: no [B, S, heads, "
+                            "D] result or operands to size it by")
+    b, *_, d = map(int, result.groups())
+    seqs, heads = set(), 1
+    for dims in [tuple(map(int, result.groups()))] + operands:
+        rest = list(dims)
+        for known in (b, d):
+            if known in rest:
+                rest.remove(known)
+        if len(rest) == 2:
+            seqs.add(max(rest))
+            heads = max(heads, min(rest))
+    sq, sk = min(seqs), max(seqs)
+    return matmuls * 2 * b * sq * sk * heads * d
+
+
+def executed_flops_of(instr, comp) -> int:
+    """Matmul FLOPs of an op: GEMMs and dots, and attention kernels as their dense matmuls."""
+    return hlo.matmul_flops_of(instr, comp) + attention_kernel_flops_of(instr, comp)
