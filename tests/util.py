@@ -9,7 +9,7 @@ from flax import nnx
 from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_overrides
 from jaxtrain.data import synthetic_batch as random_batch
 
-__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses",
+__all__ = ["tiny_config", "TINY_MOE", "tiny_moe_config", "random_batch", "random_params", "metric_records", "logged_losses",
            "check_breakdown_sums", "decisive_hf_weights", "random_model_params",
            "bpe_tokenizer"]
 
@@ -24,6 +24,19 @@ def tiny_config(*overrides, workdir="runs/test") -> Config:
     )
     apply_overrides(cfg, overrides)
     return cfg.validate()
+
+
+# The smallest MoE model that shows expert parallelism: 8 experts (expert degrees 2, 4, 8
+# divide them), top-2, a small expert MLP, the z-loss on; the load-balancing loss off, as it
+# is a per-replica statistic (Megatron's): with it a data-parallel layout is not the one
+# device's computation.
+TINY_MOE = ("--model.moe.num_experts=8", "--model.moe.top_k=2", "--model.moe.mlp_size=32",
+            "--model.moe.aux_loss_coeff=0", "--model.moe.z_loss_coeff=1e-2")
+
+
+def tiny_moe_config(*overrides, workdir="runs/test") -> Config:
+    """tiny_config with every layer an MoE layer (TINY_MOE), then `overrides`."""
+    return tiny_config(*TINY_MOE, *overrides, workdir=workdir)
 
 
 def random_params(setup):

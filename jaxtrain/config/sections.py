@@ -136,6 +136,10 @@ class ParallelConfig(_Section):
     first_stage_layers: int = 0  # 0: an even split (Megatron decoder-first-pipeline-num-layers)
     last_stage_layers: int = 0
     zero1: bool = False
+    # Expert parallelism (Megatron's --expert-model-parallel-size): carved out of the
+    # data-parallel ranks (`data`), which it must divide; the experts are split over it, every
+    # other weight stays data-parallel over all of `data` (docs/design.md §8).
+    expert: int = 1
 
 
 @dataclasses.dataclass

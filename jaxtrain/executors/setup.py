@@ -26,7 +26,8 @@ from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model.fp8 import Fp8Converter
-from jaxtrain.parallel import context_attention, layer_order, remat, sharded_kernels, sharding
+from jaxtrain.parallel import (context_attention, expert_dispatch, layer_order, remat,
+                               sharded_kernels, sharding)
 from jaxtrain.parallel.layer_order import LayerOrder
 from jaxtrain.parallel.pipeline import chunk_layer_counts
 from jaxtrain.train_state import TrainState
@@ -107,7 +108,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
               if mesh is not None and mesh.size > 1 else None)
     return model_lib.Ops(constrain=constrain, attention=attention, embed_lookup=lookup,
                          run_layers=remat.layer_runner(cfg.remat), fp8=Fp8Converter.of(cfg.fp8),
-                         span_runner=remat.span_runner(cfg.remat))
+                         span_runner=remat.span_runner(cfg.remat),
+                         dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh)))
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
