@@ -96,6 +96,8 @@ def test_moe_section_is_created_by_overrides_and_round_trips():
     ([MOE, "--parallel.expert=2", "--parallel.data=4", "--parallel.tensor=4"],
      "needs 16 devices but there are 8"),
     ([MOE, "--parallel.expert=0"], "parallel.expert=0 must be >= 1"),
+    ([MOE, "--parallel.stage=2", "--model.moe.layer_freq=2"],
+     "parallel.stage=2 with dense layers among the MoE ones"),
     ([MOE, "--parallel.expert=2", "--model.moe.dispatch=capacity",
       "--model.moe.pad_to_capacity=true"], "pad_to_capacity=true with parallel.expert=2"),
 ])

@@ -128,6 +128,8 @@ LAYOUTS = {
                                     "--parallel.tensor=2", "--parallel.sequence_parallel=true",
                                     "--parallel.context=2"],
     "expert4_context2": ["--parallel.data=4", "--parallel.expert=4", "--parallel.context=2"],
+    "expert2_stage2": ["--parallel.data=4", "--parallel.expert=2", "--parallel.stage=2",
+                       "--parallel.microbatches=2"],
 }
 MOE_LOGGED = ("moe_aux_loss", "moe_z_loss")   # layout-independent with the aux loss off
 
