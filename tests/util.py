@@ -10,7 +10,7 @@ from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_
 from jaxtrain.data import synthetic_batch as random_batch
 
 __all__ = ["tiny_config", "TINY_MOE", "tiny_moe_config", "random_batch", "random_params", "metric_records", "logged_losses",
-           "check_breakdown_sums", "decisive_hf_weights", "random_model_params",
+           "check_breakdown_sums", "decisive_hf_weights", "train_on_one_device", "random_model_params",
            "bpe_tokenizer"]
 
 
@@ -63,6 +63,22 @@ def random_model_params(cfg: ModelConfig, seed=0):
         std = 1.0 if jax.tree_util.keystr(path) == "['embed']" else cfg.hidden_size ** -0.5
         return (std * rng.standard_normal(s.shape)).astype(np.float32)
     return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def train_on_one_device(config: str, args, workdir) -> str:
+    """`python train.py --config CONFIG ARGS --parallel.data=1` on one (fake CPU) device with
+    `workdir`, from the repository root; its stdout (the run must succeed)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
+        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1")}
+    out = subprocess.run([sys.executable, "train.py", "--config", config, *args,
+                          "--parallel.data=1", f"--train.workdir={workdir}"],
+                         cwd=pathlib.Path(__file__).resolve().parents[1], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def metric_records(workdir: pathlib.Path) -> list[dict]:

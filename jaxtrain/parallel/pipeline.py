@@ -45,7 +45,8 @@ from jaxtrain.parallel import pipeline_executor as ex
 from jaxtrain.parallel import pipeline_specs as specs
 from jaxtrain.parallel.layer_order import LayerOrder
 from jaxtrain.parallel.pipeline_executor import (DATA_AXIS, STAGE_AXIS, SUM, Fns, GradCombine,
-                                                 PipelineError, manual_axes)
+                                                 PipelineError)
+from jaxtrain.parallel.pipeline_specs import manual_axes
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
            "Schedule", "Fns", "pipelined_value_and_grad", "pipelined_forward", "stack_stages",

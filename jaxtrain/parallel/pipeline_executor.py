@@ -60,7 +60,6 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.ledger.pipeline_schedule import Schedule
 from jaxtrain.parallel import pipeline_specs as specs
 from jaxtrain.parallel.mesh_axes import DATA, STAGE
-from jaxtrain.parallel.pipeline_specs import manual_axes  # noqa: F401 (the executor's API)
 from jaxtrain.parallel.pipeline_stash import ChunkProgram, chunk_program
 from jaxtrain.parallel.remat import opaque_zeros
 
