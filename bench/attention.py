@@ -1,9 +1,17 @@
-"""Causal attention throughput: jaxtrain's Pallas flash attention vs cuDNN vs XLA.
+"""Causal attention throughput: jaxtrain's flash attention on Mosaic GPU (checked and fast
+products) and on Triton vs cuDNN vs XLA.
 
     python bench/attention.py                      # GPU: seq 1k..16k, D=128, bf16
     python bench/attention.py --quick              # CPU smoke test (Pallas interpret mode)
     python bench/attention.py --kv-heads 2 --block-q 128 --block-k 64
+    python bench/attention.py --doc-len 2048       # every impl on packed 2048-token documents
     python bench/attention.py --doc-lens 8192,2048,512,128   # packed documents: block skipping
+
+Impls: mosaic (backend="mosaic", the checked products: the default), mosaic_fast (fast_mma:
+FlashAttention-3's products, to be confirmed on a GPU), pallas (the Triton kernel), cudnn
+(jax.nn.dot_product_attention; with --doc-len the model's cuDNN core: an explicit document
+mask), xla (the model's XLA core). The Mosaic kernels are Hopper's; off GPU they are listed
+as skipped (interpreted they take minutes), not dropped.
 
 FLOP convention (FlashAttention-2's benchmark): a causal forward counts 4*B*S*S*H*D/2 (two matmuls,
 half the score matrix); the backward counts 2.5x the forward (five matmuls), so forward+backward
@@ -31,28 +39,47 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxtrain.model import attention as attention_cores  # noqa: E402
 from jaxtrain.model.kernels import block_counts, flash_attention  # noqa: E402
 from jaxtrain.model.kernels.flash_attention import _kernel_block_counts  # noqa: E402
 
-IMPLS = ("pallas", "cudnn", "xla")
+IMPLS = ("mosaic", "mosaic_fast", "pallas", "cudnn", "xla")
+KERNEL_BACKENDS = {"mosaic": ("mosaic", False), "mosaic_fast": ("mosaic", True),
+                   "pallas": ("triton", False)}
 
 
 def causal_fwd_flops(B, S, H, D):
   return 4 * B * S * S * H * D / 2
 
 
-def _attention_fn(impl, args):
-  if impl == "pallas":
+def _attention_fn(impl, args, seg=None):
+  """impl's causal attention of (q, k, v); `seg` [B, S]: packed documents, or None."""
+  if impl in KERNEL_BACKENDS:
+    backend, fast = KERNEL_BACKENDS[impl]
     blocks = dict(block_q=args.block_q, block_k=args.block_k, block_q_bwd=args.block_q_bwd,
                   block_k_bwd=args.block_k_bwd)
-    return lambda q, k, v: flash_attention(q, k, v, causal=True, **blocks)
+    return lambda q, k, v: flash_attention(q, k, v, seg, causal=True, backend=backend,
+                                           fast_mma=fast, **blocks)
+  if seg is not None or impl == "xla":  # the model's cores: documents as segment ids / mask
+    ids = seg if seg is not None else None
+    core = attention_cores.cudnn_attention if impl == "cudnn" else attention_cores.xla_attention
+    return lambda q, k, v: core(q, k, v, ids if ids is not None else
+                                jnp.zeros(q.shape[:2], jnp.int32))
   return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                       implementation=impl)
 
 
 def _skip_reason(impl):
-  if impl == "cudnn" and jax.default_backend() != "gpu":
+  on_gpu = jax.default_backend() == "gpu"
+  if impl == "cudnn" and not on_gpu:
     return f"cuDNN needs a CUDA GPU; the default backend is {jax.default_backend()}"
+  if impl.startswith("mosaic"):
+    if not on_gpu:
+      return ("the Mosaic GPU kernels run on Hopper GPUs (interpreted off GPU they take "
+              "minutes; the fast products do not interpret at all)")
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    if not str(capability).startswith("9."):
+      return f"the Mosaic GPU kernels need sm_90 (H100/H200); this is sm_{capability}"
   return None
 
 
@@ -97,6 +124,7 @@ def run(args):
     k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
     v = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
     do = jnp.asarray(rng.standard_normal((B, S, H, D)), dtype)
+    seg = None if not args.doc_len else jnp.asarray(packed_segments(B, S, args.doc_len))
     fwd_flops = causal_fwd_flops(B, S, H, D)
     results = {}
     for impl in args.impls:
@@ -104,7 +132,7 @@ def run(args):
       if reason:
         skipped[impl] = reason
         continue
-      attn = _attention_fn(impl, args)
+      attn = _attention_fn(impl, args, seg)
       fwd = jax.jit(attn)
       # sum(out * do) gives the backward a dense random cotangent.
       loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
@@ -210,11 +238,13 @@ def _cell(value):
 
 def print_table(args, rows, skipped):
   device = jax.devices()[0]
+  docs = f"packed {args.doc_len}-token documents" if args.doc_len else "one document per row"
   print(f"\nCausal attention, {args.dtype}, heads {args.heads}, kv heads {args.kv_heads}, "
-        f"head_dim {args.head_dim}, batch = {args.tokens} tokens // seq; device "
+        f"head_dim {args.head_dim}, batch = {args.tokens} tokens // seq, {docs}; device "
         f"{device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-  print(f"FLOPs: fwd = 4*B*S^2*H*D/2, fwd+bwd = {args.fwd_bwd_factor}x fwd. "
-        f"Cells: median time / TFLOP/s. diff: max |impl - xla| over output (fwd) or grads.\n")
+  print(f"FLOPs: fwd = 4*B*S^2*H*D/2, fwd+bwd = {args.fwd_bwd_factor}x fwd (causal, whatever "
+        f"the documents skip). Cells: median time / TFLOP/s. diff: max |impl - xla| over "
+        f"output (fwd) or grads.\n")
   print("| seq | batch | impl | fwd | fwd+bwd | fwd diff | grad diff |")
   print("|---:|---:|---|---:|---:|---:|---:|")
   fmt = lambda d: "-" if d is None else f"{d:.2e}"
@@ -244,6 +274,8 @@ def parse_args(argv=None):
                  help="compare against XLA up to this sequence length")
   for name in ("block-q", "block-k", "block-q-bwd", "block-k-bwd"):
     p.add_argument(f"--{name}", type=int, default=None, help="Pallas tile size (default: auto)")
+  p.add_argument("--doc-len", type=int, default=None,
+                 help="time every impl on rows packed with documents of this many tokens")
   p.add_argument("--doc-lens", default=None, type=lambda s: [int(x) for x in s.split(",")],
                  help="packed-document lengths: report block skipping instead (one --seq-lens)")
   p.add_argument("--quick", action="store_true",

@@ -4,10 +4,13 @@
     python bench/gpu_suite.py --smoke --out /tmp/suite           # CPU smoke test (tiny sizes)
 
 Sections, each a list of rows in one table and one JSON (DIR/gpu_suite.json):
-  kernel     Pallas flash attention on the device against the fp32 reference: forward and
-             gradients, GQA, packed segments (max |error|, pass at bf16 tolerance)
-  attention  causal fwd+bwd of pallas, cudnn and xla at seq 4096 and 8192 (TFLOP/s), and the
-             Pallas kernel's block skipping on packed documents (bench/attention.py)
+  kernel     the flash kernels on the device against the fp32 reference: forward and
+             gradients, GQA, packed segments (max |error|, pass at bf16 tolerance), on Triton
+             and on Mosaic GPU with the checked and the fast products (the run that confirms
+             the fast ones on Hopper)
+  attention  causal fwd and fwd+bwd of mosaic, mosaic_fast, pallas (Triton), cudnn and xla at
+             seq 4096 and 8192, head dim 128, one document per row and packed 2048-token
+             documents (TFLOP/s), and the Triton kernel's block skipping (bench/attention.py)
   fp8        FP8 vs bf16 GEMM speed and whether the compiled HLO runs cuBLASLt FP8 GEMMs
              (bench/fp8.py)
   moe        the MoE experts' grouped GEMM at Mixtral's shapes, even and uneven groups: the
@@ -84,7 +87,9 @@ def kernel_rows(smoke: bool) -> list[dict]:
                                                 (2, 1024, 16, 16, 64)]
     dtype = jnp.float32 if smoke else jnp.bfloat16
     tol = 2e-5 if smoke else 3e-2
-    rows = []
+    mosaic_skip = attention_bench._skip_reason("mosaic")
+    backends = [("triton", False)] + ([] if mosaic_skip else [("mosaic", False), ("mosaic", True)])
+    rows = [] if not mosaic_skip else [dict(section="kernel", case="mosaic", skipped=mosaic_skip)]
     rng = np.random.default_rng(0)
     for b, s, h, k, d in cases:
         q = jnp.asarray(rng.standard_normal((b, s, h, d)), dtype)
@@ -94,35 +99,47 @@ def kernel_rows(smoke: bool) -> list[dict]:
 
         def loss(fn, q, k, v):
             return jnp.sum(fn(q, k, v).astype(jnp.float32) * do)
-        flash = lambda q, k, v: flash_attention(q, k, v, seg, interpret=not on_gpu)  # noqa
         ref = lambda q, k, v: reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                                   seg)  # noqa: E731
-        got = jax.jit(jax.value_and_grad(lambda *a: loss(flash, *a), argnums=(0, 1, 2)))(q, *kv)
         want = jax.jit(jax.value_and_grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2)))(q, *kv)
-        out_err = float(jnp.max(jnp.abs(flash(q, *kv).astype(jnp.float32) - ref(q, *kv))))
-        grad_err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_)))
-                       for a, b_ in zip(got[1], want[1]))
-        rows.append(dict(section="kernel", case=f"B{b} S{s} H{h} K{k} D{d} segments",
-                         out_err=out_err, grad_err=grad_err,
-                         ok=out_err <= tol and grad_err <= tol * 4))
+        for backend, fast in backends:
+            flash = lambda q, k, v: flash_attention(q, k, v, seg, interpret=not on_gpu,  # noqa
+                                                    backend=backend, fast_mma=fast)
+            got = jax.jit(jax.value_and_grad(lambda *a: loss(flash, *a),
+                                             argnums=(0, 1, 2)))(q, *kv)
+            out_err = float(jnp.max(jnp.abs(flash(q, *kv).astype(jnp.float32) - ref(q, *kv))))
+            grad_err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b_)))
+                           for a, b_ in zip(got[1], want[1]))
+            name = backend + (" fast" if fast else "")
+            rows.append(dict(section="kernel", case=f"{name} B{b} S{s} H{h} K{k} D{d} segments",
+                             out_err=out_err, grad_err=grad_err,
+                             ok=out_err <= tol and grad_err <= tol * 4))
     return rows
 
 
 def attention_rows(smoke: bool, budget: Budget) -> list[dict]:
-    args = attention_bench.parse_args(
-        ["--quick"] if smoke else ["--seq-lens", "4096,8192", "--tokens", "16384",
-                                   "--heads", "32", "--kv-heads", "8", "--iters", "10"])
-    rows, skipped = attention_bench.run(args)
-    out = [dict(section="attention", **{k: v for k, v in r.items()}) for r in rows]
-    out += [dict(section="attention", impl=i, skipped=why) for i, why in skipped.items()]
+    out = []
+    for doc_len in (None, 256 if smoke else 2048):
+        if budget.left() < 90:
+            out.append(dict(section="attention", doc_len=doc_len, skipped="time budget"))
+            continue
+        packed = ["--doc-len", str(doc_len)] if doc_len else []
+        args = attention_bench.parse_args(
+            ["--quick", *packed] if smoke else
+            ["--seq-lens", "4096,8192", "--tokens", "16384", "--heads", "32", "--kv-heads", "8",
+             "--head-dim", "128", "--iters", "10", *packed])
+        rows, skipped = attention_bench.run(args)
+        out += [dict(section="attention", doc_len=doc_len, **r) for r in rows]
+        out += [dict(section="attention", doc_len=doc_len, impl=i, skipped=why)
+                for i, why in skipped.items()]
     if budget.left() > 60:
         packed = attention_bench.packed_documents(
             seq_len=256 if smoke else 8192, doc_lens=(256, 64) if smoke else (8192, 2048, 512),
             tokens=256 if smoke else 16384, heads=2 if smoke else 16, head_dim=16 if smoke else 128,
             dtype="float32" if smoke else "bfloat16", iters=2 if smoke else 10)
-        out += [dict(section="attention", packed=True, **r) for r in packed]
+        out += [dict(section="attention", skipping=True, **r) for r in packed]
     else:
-        out.append(dict(section="attention", packed=True, skipped="time budget"))
+        out.append(dict(section="attention", skipping=True, skipped="time budget"))
     return out
 
 
@@ -185,7 +202,7 @@ def model_row(overrides: list[str], label: str, reps: int) -> dict:
 
 def model_rows(smoke: bool, budget: Budget) -> list[dict]:
     base = MODEL_SMOKE if smoke else MODEL_1B
-    impls = ("xla", "pallas") if smoke else ("pallas", "cudnn", "xla")
+    impls = ("xla", "pallas") if smoke else ("mosaic", "pallas", "cudnn", "xla")
     variants = [(f"attention={i}", [f"--model.attention={i}"]) for i in impls]
     variants.append(("attention=pallas fp8", ["--model.attention=pallas", "--fp8.enabled=true"]))
     rows = []

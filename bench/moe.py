@@ -133,8 +133,7 @@ def compiled_rows(m, k, n, e, *, target="h100", dtype="bfloat16") -> list[dict]:
     """Each impl's forward+backward compiled for one compile-only GPU: matmul FLOPs the
     program runs over the grouped work, Mosaic kernels and their resources, temporaries."""
     from jax.sharding import SingleDeviceSharding
-    from jaxtrain import compat
-    from jaxtrain.tools import gpu_program, hlo, targets
+    from jaxtrain.tools import gpu_kernels, hlo, targets
     sh = SingleDeviceSharding(targets.devices(target, 1)[0])
     sizes = group_sizes(m, e, 0.0)
     shapes = [jax.ShapeDtypeStruct(s, jnp.dtype(dtype), sharding=sh)
@@ -146,11 +145,11 @@ def compiled_rows(m, k, n, e, *, target="h100", dtype="bfloat16") -> list[dict]:
                           jnp.asarray(sizes))["fwd+bwd"]
         with tempfile.TemporaryDirectory() as dump:
             t0 = time.perf_counter()
-            with compat.mosaic_gpu_dump(dump):
+            with gpu_kernels.mosaic_dump(dump):
                 compiled = fwd_bwd.lower(*shapes).compile()
             compile_s = time.perf_counter() - t0
-            kernels = gpu_program.mosaic_kernels(dump)
-        text = compiled.as_text()
+            text = compiled.as_text()
+            kernels = gpu_kernels.mosaic_kernels(dump, gpu_kernels.mosaic_kernel_names(text))
         rows.append(dict(
             impl=impl, compile_s=compile_s,
             matmul_flops_over_grouped_work=hlo.matmul_flops_from_text(text) / grouped_work,

@@ -69,6 +69,72 @@ def triton_compiler_params(num_warps: int, num_stages: int):
     return cls(num_warps=num_warps, num_stages=num_stages)
 
 
+# The Mosaic GPU (Pallas, Hopper) spellings the flash kernels use: `mosaic_gpu()` checks them
+# all, so a release that renames one fails in tests/test_compat.py, not inside a kernel.
+MOSAIC_GPU_NAMES = ("kernel", "CompilerParams", "LoweringSemantics", "SMEM", "Barrier",
+                    "TilingTransform", "SwizzleTransform", "ACC", "wgmma", "transpose_ref",
+                    "copy_gmem_to_smem", "copy_smem_to_gmem", "wait_smem_to_gmem",
+                    "commit_smem", "barrier_wait", "barrier_arrive", "set_max_registers")
+
+
+def mosaic_gpu():
+    """jax.experimental.pallas.mosaic_gpu (Pallas's Hopper backend: TMA, wgmma, warpgroups)
+    when this jax has every name in MOSAIC_GPU_NAMES, else None."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError:  # pragma: no cover - depends on the jaxlib build
+        return None
+    return plgpu if all(hasattr(plgpu, n) for n in MOSAIC_GPU_NAMES) else None
+
+
+def mosaic_compiler_params(plgpu):
+    """Warpgroup lowering semantics (Mosaic infers register layouts: the kernels are plain
+    jnp on tiles, which the GPU interpreter also runs) with fast approximate exp2/division."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                approx_math=True)
+
+
+def mosaic_interpret_params():
+    """What `interpret=` takes to run a Mosaic GPU kernel on CPU: jax's GPU interpreter
+    (simulated shared memory, barriers and TMA; jax 0.10 and 0.11 keep it in jax._src)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+class persistent_compile_cache:
+    """Within the context, XLA executables are cached on disk in `path` (every compile, however
+    quick). jax's GPU interpreter compiles each warpgroup's program anew at every grid point;
+    the same programs then load from the cache (the Mosaic tests: half the time). The cache
+    is process-wide state that jax decides once, hence the resets."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __enter__(self):
+        from jax._src import compilation_cache
+        self._old = {k: getattr(jax.config, k) for k in self._KEYS}
+        for k, v in zip(self._KEYS, (self.path, 0.0, 0)):
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+        return self
+
+    def __exit__(self, *exc):
+        from jax._src import compilation_cache
+        for k, v in self._old.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+
+    _KEYS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+
+
+def reset_mosaic_interpreter():
+    """The GPU interpreter's global state after an exception inside a kernel: jax requires a
+    reset before it interprets again in the same process."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
 def map_vjp_residuals(f, pullback):
     """The pullback `jax.vjp` returned, with `f` applied to each of its residuals (what the
     remat fence uses to tie saved activations to the cotangent). jax's pullback is a pytree
@@ -94,56 +160,6 @@ def saved_tree_metadata(checkpointer, directory):
     import pathlib
     meta = checkpointer.metadata(pathlib.Path(directory).absolute())
     return getattr(getattr(meta, "item_metadata", None), "tree", meta)
-
-
-def mosaic_gpu_compiler_params():
-    """Mosaic GPU (Hopper) kernel compiler params with warpgroup lowering semantics: layouts
-    and shared-memory transforms inferred, wgmma/TMA issued per warpgroup. plgpu is
-    experimental; jax 0.10 and 0.11 spell it CompilerParams(lowering_semantics=...)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-
-
-def mosaic_gpu_interpret_params():
-    """What `plgpu.kernel(..., interpret=...)` takes to run a Mosaic GPU kernel on CPU,
-    simulating shared memory, barriers and TMA: jax 0.10 keeps the class in jax._src (no
-    public name yet)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    cls = getattr(plgpu, "InterpretParams", None)
-    if cls is None:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
-    return cls()
-
-
-# The Mosaic GPU compiler (in the jax CUDA plugin) writes, per kernel it compiles, ptxas's
-# report (`<kernel>.ptxas`), the PTX and a log of its MLIR passes (which holds the launch's
-# dynamic shared memory) into this folder when both variables are set at compile time.
-MOSAIC_GPU_DUMP_ENV = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS")
-
-
-class mosaic_gpu_dump:
-    """`with mosaic_gpu_dump(folder):` compiles inside write each Mosaic GPU kernel's ptxas
-    report and pass log into `folder` (read by tools.gpu_program.mosaic_kernels); the
-    variables are restored on exit."""
-
-    def __init__(self, folder):
-        self.folder = str(folder)
-
-    def __enter__(self):
-        import os
-        os.makedirs(self.folder, exist_ok=True)
-        self.saved = {k: os.environ.get(k) for k in MOSAIC_GPU_DUMP_ENV}
-        os.environ.update(zip(MOSAIC_GPU_DUMP_ENV, (self.folder, "1")))
-        return self.folder
-
-    def __exit__(self, *exc):
-        import os
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        return False
 
 
 def orbax_sync_directory_options():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxtrain import step
+from jaxtrain import compat, step
 from jaxtrain.executors import setup as setup_lib
 from jaxtrain.model import attention
 from jaxtrain.parallel import context_attention, sharded_kernels, sharding
@@ -31,9 +31,12 @@ def _loss_and_grads(overrides, devices, params0=None):
     batch = random_batch(cfg, 0, docs_per_row=3)  # packed rows: segments matter
     lowered = step.make_grad_step(setup).lower(params, batch, {})
     # The kernel really runs (its forward and both backward kernels), not an XLA fallback.
-    kernels = {"jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq"}
+    kernels = {"pallas": ("jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq"),
+               "mosaic": ("jaxtrain_mosaic_flash_fwd", "jaxtrain_mosaic_flash_bwd_dkv",
+                          "jaxtrain_mosaic_flash_bwd_dq")}
     hlo = lowered.as_text(debug_info=True)
-    assert all((k in hlo) == (cfg.model.attention == "pallas") for k in kernels)
+    for impl, names in kernels.items():
+        assert all((k in hlo) == (cfg.model.attention == impl) for k in names), impl
     grad_step = lowered.compile()
     loss, _, grads, _ = grad_step(params, batch, {})
     return float(loss), jax.device_get(grads), params0
@@ -113,9 +116,31 @@ def _on_mesh(model, mesh):
     return sharded_kernels.shard_attention(attention.select(model, sharding.platform(mesh)), mesh)
 
 
+def test_interpreted_mosaic_across_devices_is_refused_not_hung():
+    with pytest.raises(attention.AttentionConfigError, match="runs on one device only"):
+        _on_mesh(_model(attention="mosaic", compute_dtype="bfloat16"), _mesh(tensor=2))
+
+
+def test_mosaic_on_a_gpu_that_is_not_hopper_is_refused():
+    with pytest.raises(attention.AttentionConfigError, match="model.attention=mosaic cannot "
+                       "run here: the Mosaic kernels are Hopper's"):
+        attention.select(_model(attention="mosaic", compute_dtype="bfloat16"), "gpu", "8.0")
+
+
 def test_selection():
     assert attention.select(_model(attention="auto"), "cpu") is attention.xla_attention
     assert attention.select(_model(attention="auto"), "gpu") == attention.PallasAttention(False)
+    # auto on Hopper: the Mosaic GPU kernel where the model fits it, else the Triton one
+    bf16 = _model(attention="auto", compute_dtype="bfloat16")
+    assert attention.select(bf16, "gpu", "9.0") == attention.PallasAttention(False, "mosaic")
+    assert attention.select(bf16, "gpu", "8.0") == attention.PallasAttention(False)
+    assert attention.choose(bf16, "gpu", "9.0")[1].startswith("auto: jax")
+    assert "sm_80" in attention.choose(bf16, "gpu", "8.0")[1]
+    assert "bf16/fp16" in attention.choose(_model(attention="auto"), "gpu", "9.0")[1]
+    assert "head dim 256" in attention.choose(
+        _model(attention="auto", compute_dtype="bfloat16", head_dim=256), "gpu", "9.0")[1]
+    assert attention.select(_model(attention="mosaic", compute_dtype="bfloat16"), "cpu") == \
+        attention.PallasAttention(True, "mosaic")
     interpreted = attention.PallasAttention(interpret=True)
     assert attention.select(_model(attention="pallas"), "cpu") == interpreted
     assert _on_mesh(_model(attention="pallas"), _mesh()) == interpreted
@@ -136,6 +161,8 @@ def test_selection():
     (dict(attention="pallas", head_dim=512), None, "head_dim=512 is unsupported"),
     (dict(attention="pallas", num_kv_heads=3), None, "num_heads=4 is not divisible by"),
     (dict(attention="flash"), None, "choose one of"),
+    (dict(attention="mosaic"), None, "takes bfloat16 or float16"),
+    (dict(attention="mosaic", compute_dtype="bfloat16", head_dim=256), None, "up to 192"),
 ])
 def test_selection_errors(model, mesh, message):
     with pytest.raises(attention.AttentionConfigError, match=message):
@@ -158,3 +185,19 @@ def test_pipelined_pallas_equals_pipelined_xla(layout):
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_mosaic_train_step_equals_xla(tmp_path):
+    """The Mosaic GPU kernel (jax's GPU interpreter: its checked products) in the real train
+    step on one device gives the XLA core's loss and gradients at bf16 tolerance. One batch
+    row and 2 query heads: each program costs the interpreter seconds."""
+    small = ["--model.compute_dtype=bfloat16", "--model.num_heads=2", "--model.num_kv_heads=1",
+             "--train.global_batch=1", "--parallel.data=1"]
+    with compat.persistent_compile_cache(tmp_path):
+        want_loss, want_grads, params0 = _loss_and_grads(["--model.attention=xla", *small],
+                                                         jax.devices()[:1])
+        loss, grads, _ = _loss_and_grads(["--model.attention=mosaic", *small],
+                                         jax.devices()[:1], params0)
+    np.testing.assert_allclose(loss, want_loss, rtol=2e-3)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=5e-2)

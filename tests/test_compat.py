@@ -92,25 +92,39 @@ def test_saved_tree_metadata_of_an_orbax_item(tmp_path, monkeypatch):
         assert tuple(tree["params"]["w"].shape) == (2, 3)
 
 
-def test_mosaic_gpu_params_run_a_kernel_in_interpret_mode():
-    """A Mosaic GPU kernel (warpgroup semantics) runs on CPU with the interpret params."""
+def test_mosaic_gpu_spellings_and_its_interpreter_run_a_tiny_kernel():
+    """Every Mosaic GPU name the flash kernels use exists, and a Warpgroup-semantics kernel
+    (TMA in, a wgmma, a store out) runs in jax's GPU interpreter through compat's params."""
+    plgpu = compat.mosaic_gpu()
+    assert plgpu is not None, "this jax has no Mosaic GPU backend with " + \
+        ", ".join(compat.MOSAIC_GPU_NAMES)
     from jax.experimental import pallas as pl
+    tile = plgpu.SMEM((64, 64), jnp.float16, transforms=(plgpu.TilingTransform((8, 64)),
+                                                         plgpu.SwizzleTransform(128)))
 
-    def body(x_ref, o_ref):
-        o_ref[...] = x_ref[...] * 2.0 + 1.0
-    x = jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64)
-    kernel = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            compiler_params=compat.mosaic_gpu_compiler_params(),
-                            interpret=compat.mosaic_gpu_interpret_params())
-    np.testing.assert_array_equal(jax.jit(kernel)(x), 2 * x + 1)
+    def body(a_ref, o_ref, a_smem, bar):
+        plgpu.copy_gmem_to_smem(a_ref, a_smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, a_smem, a_smem)
+            return acc_ref[...]
+        o_ref[...] = pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) / 8, jnp.float16)
+    run = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32), grid=(1,),
+                       grid_names=("x",), scratch_types=[tile, plgpu.Barrier(num_barriers=1)],
+                       compiler_params=compat.mosaic_compiler_params(plgpu),
+                       interpret=compat.mosaic_interpret_params())
+    want = a.astype(jnp.float32) @ a.astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(run)(a)), np.asarray(want), atol=1e-3)
+    compat.reset_mosaic_interpreter()  # callable (jax asks for it after a kernel raised)
 
 
-def test_mosaic_gpu_dump_sets_and_restores_the_compiler_variables(tmp_path, monkeypatch):
-    import os
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "0")
-    monkeypatch.delenv("MOSAIC_GPU_DUMP_TO", raising=False)
-    with compat.mosaic_gpu_dump(tmp_path / "dump") as folder:
-        assert os.environ["MOSAIC_GPU_DUMP_TO"] == folder == str(tmp_path / "dump")
-        assert os.environ["MOSAIC_GPU_DUMP_PTXAS"] == "1" and os.path.isdir(folder)
-    assert "MOSAIC_GPU_DUMP_TO" not in os.environ
-    assert os.environ["MOSAIC_GPU_DUMP_PTXAS"] == "0"
+def test_persistent_compile_cache_caches_inside_and_stops_after(tmp_path):
+    with compat.persistent_compile_cache(tmp_path):
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).block_until_ready()
+    cached = set(tmp_path.iterdir())
+    assert cached, "nothing was written to the cache"
+    jax.jit(lambda x: jnp.cos(x) * 5.0 - 2.0)(jnp.arange(9.0)).block_until_ready()
+    assert set(tmp_path.iterdir()) == cached and jax.config.jax_compilation_cache_dir is None

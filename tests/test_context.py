@@ -171,7 +171,7 @@ def test_a_rank_whose_tokens_are_all_masked_counts_and_stays_finite(one_device):
     (["--parallel.context=2", "--parallel.context_strategy=ring", "--model.attention=cudnn",
       "--model.compute_dtype=bfloat16"], ConfigError,
      "context_strategy=ring is not supported by model.attention=cudnn; all_gather runs on "
-     "xla, pallas, cudnn; ring runs on xla, pallas"),
+     "xla, pallas, mosaic, cudnn; ring runs on xla, pallas, mosaic"),
     (["--parallel.context=-1", "--parallel.data=1"], ConfigError,
      "give parallel.context a number"),
     (["--parallel.context=3", "--parallel.context_load_balance=false",

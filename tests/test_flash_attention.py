@@ -199,7 +199,7 @@ def _arr(*shape, dtype=np.float32):
         ((_arr(1, 32, 6, 16), _arr(1, 32, 4, 16), _arr(1, 32, 4, 16)), {},
          "num_heads=6 must be a multiple of num_kv_heads=4"),
         ((_arr(1, 32, 4, 16), _arr(1, 32, 2, 16), _arr(1, 32, 1, 16)), {},
-         "k and v must have the same shape"),
+         "k and v must have the same batch, length and heads"),
         # q and kv lengths may differ (a context shard against gathered keys), but one
         # segment-id array cannot describe both.
         ((_arr(1, 32, 4, 16), _arr(1, 16, 2, 16), _arr(1, 16, 2, 16),

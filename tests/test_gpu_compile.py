@@ -15,11 +15,10 @@ import pytest
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from jaxtrain import compat
 from jaxtrain.model import fp8_matmul, moe
 from jaxtrain.model import llama as model_lib
 from jaxtrain.parallel import sharding
-from jaxtrain.tools import gpu_program, hlo, hlo_module, pipeline_flops
+from jaxtrain.tools import gpu_kernels, gpu_program, hlo, hlo_module, pipeline_flops
 from jaxtrain.tools.compile_step import compile_step
 from jaxtrain.config import Fp8Config, ModelConfig, MoeConfig, load_config
 from jaxtrain.ledger import comm, estimate, layout_from_config
@@ -39,25 +38,55 @@ LAYOUTS = {
         "--parallel.microbatches=4"),
 }
 FLASH_KERNELS = {"jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq"}
+MOSAIC_KERNELS = {"jaxtrain_mosaic_flash_fwd", "jaxtrain_mosaic_flash_bwd_dkv",
+                  "jaxtrain_mosaic_flash_bwd_dq"}
 CUDNN_TARGET = re.compile(r'custom_call_target="__cudnn\$fmha')
+H100_SMEM_PER_BLOCK = 232448
 
 
-def _compile(h100, *overrides, n=8, options=None):
+def _compile(h100, *overrides, n=8, options=None, mosaic_dump=None):
     cfg = tiny_config(*BF16, *overrides)
-    return compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(n)), extra_options=options)
+    with gpu_kernels.mosaic_dump(mosaic_dump):
+        return compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(n)),
+                            extra_options=options)
 
 
+def _assert_fit(kernels):
+    """Every kernel within an H100 block's shared memory, 255 registers, without spills."""
+    for x in kernels:
+        assert x.shared_memory <= H100_SMEM_PER_BLOCK, x
+        assert x.registers is not None and x.registers <= 255 and not x.spills, x
+
+
+CONTEXT = {"none": (), "all_gather": ("--parallel.context=2",),
+           "ring": ("--parallel.context=2", "--parallel.context_strategy=ring")}
+
+
+@pytest.mark.parametrize("context", list(CONTEXT))
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("impl", ["xla", "pallas", "cudnn", "auto"])
-def test_every_attention_compiles_at_every_pipeline_depth(h100, impl, stage):
-    """The kernel each choice means on a GPU is the one in the program, also inside the
-    pipeline's shard_map (which crashed at trace time before the kernel's shard_map took the
-    context mesh)."""
-    text = _compile(h100, f"--model.attention={impl}", *LAYOUTS[stage]).text
-    pallas = gpu_program.pallas_kernel_names(text)
-    cudnn = bool(CUDNN_TARGET.search(text))
-    assert (pallas == FLASH_KERNELS) == (impl in ("pallas", "auto")), pallas
+@pytest.mark.parametrize("impl", ["xla", "pallas", "mosaic", "cudnn", "auto"])
+def test_every_attention_compiles_at_every_pipeline_depth(h100, tmp_path, impl, stage, context):
+    """The kernel each choice means on a GPU is the one in the program, at pipeline depth 1
+    and 2 (the kernel's shard_map inside the pipeline's) and under each context strategy:
+    on H100s `auto` is the Mosaic GPU kernel, within the H100's limits (no spills)."""
+    if impl == "cudnn" and context == "ring":
+        pytest.skip("cuDNN runs all_gather only (config.rules.CONTEXT_STRATEGIES)")
+    cp = ("--train.seq_len=128", "--model.max_seq_len=128") if CONTEXT[context] else ()
+    layout = LAYOUTS[stage] if not CONTEXT[context] else (
+        ("--parallel.data=2", "--parallel.tensor=2") if stage == 1 else
+        ("--parallel.stage=2", "--parallel.data=2", "--parallel.microbatches=2"))
+    out = _compile(h100, f"--model.attention={impl}", *layout, *CONTEXT[context], *cp,
+                   mosaic_dump=tmp_path)
+    pallas = gpu_kernels.pallas_kernel_names(out.text)
+    mosaic = gpu_kernels.mosaic_kernel_names(out.text)
+    cudnn = bool(CUDNN_TARGET.search(out.text))
+    assert (pallas == FLASH_KERNELS) == (impl == "pallas"), pallas
+    assert (mosaic == MOSAIC_KERNELS) == (impl in ("mosaic", "auto")), mosaic
     assert cudnn == (impl == "cudnn")
+    if mosaic:
+        kernels = gpu_kernels.mosaic_kernels(tmp_path, mosaic)
+        assert {x.name for x in kernels} == MOSAIC_KERNELS
+        _assert_fit(kernels)
 
 
 def test_collectives_of_a_gpu_program_are_read_per_mesh_axis(h100):
@@ -173,11 +202,60 @@ def test_flash_kernels_fit_an_h100(h100, tmp_path, b, s, h, kv, d):
             jnp.float32)), argnums=(0, 1, 2))(q, k, v)
     jax.jit(fwd_bwd).lower(q, k, k, segment_ids).compile(
         compiler_options={"xla_dump_to": str(tmp_path)})
-    kernels = gpu_program.kernels(tmp_path, FLASH_KERNELS)
+    kernels = gpu_kernels.kernels(tmp_path, FLASH_KERNELS)
     assert {x.name for x in kernels} == FLASH_KERNELS
     for x in kernels:
         assert x.shared_memory <= 232448, x
         assert x.registers is not None and x.registers <= 255 and not x.spills, x
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["checked", "fast"])
+@pytest.mark.parametrize("b,s,h,kv,d,dv", [
+    (1, 4096, 32, 8, 128, 128),   # Llama 3 8B on one GPU
+    (1, 8192, 8, 1, 128, 128),    # Llama 3 70B per tensor shard at tensor=8
+    (2, 4096, 16, 16, 64, 64),    # head dim 64, MHA
+])
+def test_mosaic_kernels_fit_an_h100(h100, tmp_path, fast, b, s, h, kv, d, dv):
+    """The Mosaic GPU forward and both backward kernels, in their checked form (the default)
+    and FlashAttention-3's fast form, compile for sm_90a within a block's shared memory and
+    registers, without spills (ptxas' report from Mosaic's dump), with segment ids."""
+    sh = SingleDeviceSharding(h100(1)[0])
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16, sharding=sh)
+    k = jax.ShapeDtypeStruct((b, s, kv, d), jnp.bfloat16, sharding=sh)
+    v = jax.ShapeDtypeStruct((b, s, kv, dv), jnp.bfloat16, sharding=sh)
+    segment_ids = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sh)
+
+    def fwd_bwd(q, k, v, seg):
+        attn = lambda *a: flash_attention(*a, seg, interpret=False, backend="mosaic",  # noqa
+                                          fast_mma=fast)
+        return jax.grad(lambda *a: jnp.sum(attn(*a).astype(jnp.float32)),
+                        argnums=(0, 1, 2))(q, k, v)
+    with gpu_kernels.mosaic_dump(tmp_path):
+        text = jax.jit(fwd_bwd).lower(q, k, v, segment_ids).compile().as_text()
+    assert gpu_kernels.mosaic_kernel_names(text) == MOSAIC_KERNELS
+    kernels = gpu_kernels.mosaic_kernels(tmp_path, MOSAIC_KERNELS)
+    assert {x.name for x in kernels} == MOSAIC_KERNELS
+    _assert_fit(kernels)
+
+
+def test_cudnn_with_packed_documents_carries_the_document_mask(h100):
+    """MaxText #4476 found a cuDNN path that dropped segment ids. Ours never passes any: the
+    compiled forward and backward cuDNN calls both take the [B, 1, S, S] document mask (as a
+    bias), which tests/test_attention.py checks against the reference on jax's XLA path."""
+    from jaxtrain.model import attention
+    sh = SingleDeviceSharding(h100(1)[0])
+    b, s = 2, 1024
+    q = jax.ShapeDtypeStruct((b, s, 8, 128), jnp.bfloat16, sharding=sh)
+    kv = jax.ShapeDtypeStruct((b, s, 2, 128), jnp.bfloat16, sharding=sh)
+    seg = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sh)
+    grads = lambda q, k, v, seg: jax.grad(lambda *a: jnp.sum(attention.cudnn_attention(  # noqa
+        *a, seg).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+    text = jax.jit(grads).lower(q, kv, kv, seg).compile().as_text()
+    calls = [line for line in text.splitlines() if CUDNN_TARGET.search(line)]
+    assert len(calls) == 2
+    for line in calls:
+        operands = line.split("operand_layout_constraints={", 1)[1].split("}, api_version")[0]
+        assert f"bf16[{b},1,{s},{s}]" in operands, operands
 
 
 # ----------------------------------------------------------------------------- the ledger
@@ -197,16 +275,27 @@ RECIPES = {
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_compiled_memory_is_the_ledgers(h100, name):
+def test_compiled_memory_is_the_ledgers(h100, tmp_path, name):
     """memory_analysis() of the step compiled for H100s within 10% of the ledger's total less
-    its cuBLAS/NCCL workspace (which a static buffer assignment never holds)."""
+    its cuBLAS/NCCL workspace (which a static buffer assignment never holds); the step's
+    attention is the Mosaic GPU kernel (`auto`), within the H100's limits."""
     path, n, overrides = RECIPES[name]
     cfg = load_config(path, overrides)
-    out = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(n)))
+    out = _compile_recipe(h100, cfg, n, tmp_path)
     compiled = hlo.memory(out.compiled)["total_bytes"]
     est = estimate(cfg, layout_from_config(cfg, n), "h100")
     ledger = est.total_bytes - workspace_bytes(cfg)
     assert abs(compiled / ledger - 1) <= 0.10, (compiled / 2**30, ledger / 2**30)
+
+
+def _compile_recipe(h100, cfg, n, dump):
+    """A recipe's step for n H100s; its Mosaic attention kernels checked from the dump."""
+    with gpu_kernels.mosaic_dump(dump):
+        out = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(n)))
+    names = gpu_kernels.mosaic_kernel_names(out.text)
+    assert names == MOSAIC_KERNELS, names
+    _assert_fit(gpu_kernels.mosaic_kernels(dump, names))
+    return out
 
 
 # ----------------------------------------------------------------------------- the dry run
@@ -218,15 +307,17 @@ def test_dry_run_for_h100_reports_the_gpu_program_as_text_and_json(capsys, h100)
                        "--model.compute_dtype=bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "dry run on 8 x H100 SXM5 80GB" in out and "GPU program" in out
-    assert "static overlap" in out and "jaxtrain_flash_fwd" in out and ": fits" in out
+    assert "static overlap" in out and "jaxtrain_mosaic_flash_fwd" in out and ": fits" in out
+    assert "attention core: mosaic (auto: jax" in out  # which kernel, and why
     assert train_main(["--config", TINY, "--dry-run", "--target", "h100", "--devices", "8",
                        "--parallel.fsdp=8", "--parallel.data=1", "--json",
                        "--model.compute_dtype=bfloat16"]) == 0
     report = json.loads(capsys.readouterr().out)
     gpu = report["gpu"]
     assert report["devices"] == 8 and gpu["fits"] is True
-    assert {k["name"] for k in gpu["kernels"]} == FLASH_KERNELS
+    assert {k["name"] for k in gpu["kernels"]} == MOSAIC_KERNELS
     assert all(k["spill_stores"] == 0 for k in gpu["kernels"])
+    assert report["attention"]["core"] == "mosaic"
     assert any(o["axes"] == ["fsdp"] and o["wire_bytes"] > 0 for o in gpu["overlap"])
     assert gpu["xla_options"]["xla_gpu_enable_pipelined_all_gather"] is True
     assert report["compiled"]["memory"]["total_bytes"] > 0
@@ -332,7 +423,7 @@ def test_ring_attention_inside_pipeline_stages_compiles_for_h100(h100):
     out = _compile(h100, "--model.attention=pallas", "--parallel.stage=2", "--parallel.data=2",
                    "--parallel.context=2", "--parallel.context_strategy=ring",
                    "--parallel.microbatches=2", "--train.seq_len=128", "--model.max_seq_len=128")
-    assert gpu_program.pallas_kernel_names(out.text) == FLASH_KERNELS
+    assert gpu_kernels.pallas_kernel_names(out.text) == FLASH_KERNELS
     kinds = {c.kind for c in hlo.collectives_from_text(out.text, out.mesh)
              if c.axes == ("context",) and c.in_loop}
     assert kinds == {"collective-permute", "all-reduce"}, kinds
@@ -367,7 +458,7 @@ def test_cudnn_runs_the_all_gather_strategy(h100):
     cfg = tiny_config(*BF16, *CP, "--model.attention=cudnn")
     text = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8))).text
     assert len(CUDNN_TARGET.findall(text)) == 2
-    assert not gpu_program.pallas_kernel_names(text)
+    assert not gpu_kernels.pallas_kernel_names(text)
 
 
 @pytest.mark.parametrize("impl, family", [("pallas", "Pallas flash attention (jaxtrain)"),
@@ -403,15 +494,16 @@ def test_grouped_matmul_kernels_fit_an_h100_at_mixtral_shapes(h100, tmp_path):
     def fwd_bwd(x, w, sizes):
         y, pull = jax.vjp(lambda a, b: gm.grouped_matmul(a, b, sizes), x, w)
         return y, pull(y)
-    with compat.mosaic_gpu_dump(tmp_path):
+    with gpu_kernels.mosaic_dump(tmp_path):
         compiled = jax.jit(fwd_bwd).lower(x, w, sizes).compile()
     text = compiled.as_text()
     assert text.count('custom_call_target="mosaic_gpu_v2"') == 3
     assert hlo.matmul_flops_from_text(text) == 0
     assert compiled.memory_analysis().temp_size_in_bytes < 2 ** 20
-    kernels = gpu_program.mosaic_kernels(tmp_path)
-    assert sorted(k.name.rsplit("_", 1)[0] for k in kernels) == sorted(
-        [gmk.PER_GROUP_KERNEL, gmk.ROWS_KERNEL, gmk.ROWS_KERNEL])
+    names = gpu_kernels.mosaic_kernel_names(text)
+    assert names == {gmk.PER_GROUP_KERNEL, gmk.ROWS_KERNEL}   # rows: forward and dX
+    kernels = gpu_kernels.mosaic_kernels(tmp_path, names)   # the worst instance of each
+    assert {k.name for k in kernels} == names
     for k in kernels:
         assert k.grid == (132, 1, 1) and k.threads == (128,), k
         assert 0 < k.shared_memory <= 232448, k

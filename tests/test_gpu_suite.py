@@ -19,8 +19,10 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert sections == {"kernel", "attention", "fp8", "moe", "model", "breakdown"}
     assert all(r["ok"] for r in report["rows"] if r["section"] in ("kernel", "moe") and "ok" in r)
     assert {r["impl"] for r in report["rows"] if r["section"] == "moe"} == set(moe_bench.IMPLS)
-    skipped = {r.get("impl"): r["skipped"] for r in report["rows"] if "skipped" in r}
-    assert "GPU" in skipped["cudnn"]  # named, not dropped
+    skipped = {r.get("impl") or r.get("case"): r["skipped"] for r in report["rows"]
+               if "skipped" in r}
+    assert "GPU" in skipped["cudnn"] and "Hopper" in skipped["mosaic"]  # named, not dropped
+    assert "Hopper" in skipped["mosaic_fast"]
     models = [r for r in report["rows"] if r["section"] == "model" and "step_ms" in r]
     assert {r["config"] for r in models} >= {"attention=xla", "attention=pallas fp8"}
     assert all(r["compiled_gib"] > 0 and r["ledger_gib"] > 0 for r in models)

@@ -1,7 +1,7 @@
 """Every command block of the README runs as written, in its order, from a fresh folder.
 
-A new user's folder: `configs/` and `train.py` of this checkout, the inputs the data commands
-name (a few jsonl, parquet and txt files and a BPE tokenizer.json), one CPU device (the fake
+A new user's folder: `configs/`, `bench/` and `train.py` of this checkout, the inputs the data
+commands name (a few jsonl, parquet and txt files and a BPE tokenizer.json), one CPU device (the fake
 device flag is the README's own where it needs eight). Each line of a ```bash block runs
 through bash as written, except what this suite cannot do: `pip install` (the suite runs
 installed), `python -m pytest` (it is this suite) and `srun` (the command it launches runs
@@ -86,6 +86,7 @@ def _inputs(folder: pathlib.Path) -> None:
 def _fresh_folder(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
     (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
     (tmp_path / "train.py").symlink_to(ROOT / "train.py")
+    (tmp_path / "bench").symlink_to(ROOT / "bench", target_is_directory=True)
     _inputs(tmp_path)
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                      if "device_count" not in f)   # one CPU device, as on a laptop

@@ -164,7 +164,7 @@ def test_a_run_past_its_steps_says_so(finished, tmp_path, monkeypatch):
     assert logged[-1] == (f"{workdir} is already at step 4 = train.steps: nothing to train. "
                           "Raise train.steps to train on (train.lr_decay_steps keeps the decay "
                           "where it was) or set train.workdir to a fresh folder")
-    monkeypatch.setattr(trainer.step_lib, "build", lambda *a: pytest.fail("built"))
+    monkeypatch.setattr(trainer.setup_lib, "build", lambda *a: pytest.fail("built"))
     with pytest.raises(ConfigError, match=r"train.steps=2, but .*/checkpoints already holds "
                        r"checkpoint 4: nothing to train. Set train.workdir to a fresh folder"):
         trainer.train(tiny_config("--train.steps=2", workdir=str(workdir)))

@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # sections.py imports this module (Config.validate): types on
 
 DEGREES = ("data", "fsdp", "tensor", "context", "stage")
 # Which attention cores (model.attention) run each parallel.context_strategy.
-CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "cudnn"),
-                      "ring": ("auto", "xla", "pallas")}
+CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "mosaic", "cudnn"),
+                      "ring": ("auto", "xla", "pallas", "mosaic")}
 FP8_ALIGN = 16  # FP8 GEMMs need K and N multiples of 16 (cuBLASLt, Transformer Engine)
 MOE_SCORE_FUNCTIONS = ("softmax",)   # model.moe.score_function (DeepSeek's sigmoid: next)
 

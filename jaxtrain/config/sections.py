@@ -86,7 +86,7 @@ class ModelConfig(_Section):
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
-    attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
+    attention: Literal["auto", "xla", "pallas", "mosaic", "cudnn"] = "auto"
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     moe: Optional[MoeConfig] = None

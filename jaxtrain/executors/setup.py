@@ -102,7 +102,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
                                                 constrain_weights=constrain_weights)
     attention = sharded_kernels.shard_attention(
-        attention_lib.select(cfg.model, sharding.platform(mesh)), mesh,
+        attention_lib.select(cfg.model, sharding.platform(mesh),
+                             sharding.compute_capability(mesh)), mesh,
         context_attention.plan_of(cfg.parallel))
     lookup = (sharded_kernels.ShardedLookup(mesh, cfg.parallel.sequence_parallel)
               if mesh is not None and mesh.size > 1 else None)

@@ -24,8 +24,8 @@ and only KV heads move (GQA; K/V are never repeated before communicating). A row
 key of a block has LSE -inf and output 0; the merge keeps such rows finite.
 
 The cores give a block's forward (out, LSE) and backward (dq, dk, dv from the whole
-attention's out and LSE): `xla` in jnp, `pallas` the flash kernel (positions, Sq != Sk, LSE;
-interpret mode on CPU). `cudnn` runs all_gather only, through jax's differentiable cuDNN call
+attention's out and LSE): `xla` in jnp, `pallas` and `mosaic` the flash kernel on its Triton or
+Mosaic GPU backend (positions, Sq != Sk, LSE; interpret mode on CPU). `cudnn` runs all_gather only, through jax's differentiable cuDNN call
 with an explicit [B, 1, Sq, S] mask (its backward keeps the gathered K/V).
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def xla_block_forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     total_safe = jnp.where(total == 0.0, 1.0, total)
     out = out / jnp.moveaxis(total_safe, 3, 1)[..., None]
     lse = jnp.where(total == 0.0, -jnp.inf, m_safe + jnp.log(total_safe))   # [B, K, G, S]
-    return out.reshape(b, s, h, e).astype(q.dtype), lse.reshape(b, h, s)
+    return out.reshape(b, s, h, v.shape[-1]).astype(q.dtype), lse.reshape(b, h, s)
 
 
 def xla_block_backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do):
@@ -111,9 +111,10 @@ def xla_block_backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do):
     scores, mask = _scores(q, k, q_seg, kv_seg, q_pos, kv_pos)
     lse_BKGS = lse.reshape(b, k_heads, g, s)
     p = jnp.where(mask, jnp.exp(scores - lse_BKGS[..., None]), 0.0)
-    do_BSKGE = do.reshape(b, s, k_heads, g, e).astype(jnp.float32)
+    ev = v.shape[-1]   # v's head size (may differ from q/k's)
+    do_BSKGE = do.reshape(b, s, k_heads, g, ev).astype(jnp.float32)
     delta_BKGS = jnp.einsum("bskge,bskge->bkgs", do_BSKGE,
-                            out.reshape(b, s, k_heads, g, e).astype(jnp.float32))
+                            out.reshape(b, s, k_heads, g, ev).astype(jnp.float32))
     dv = jnp.einsum("bkgst,bskge->btke", p, do_BSKGE)
     dp = jnp.einsum("bskge,btke->bkgst", do_BSKGE, v.astype(jnp.float32))
     ds = p * (dp - delta_BKGS[..., None]) * e ** -0.5
@@ -125,17 +126,18 @@ def xla_block_backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do):
 XLA_BLOCKS = BlockOps(xla_block_forward, xla_block_backward)
 
 
-def pallas_blocks(interpret: bool) -> BlockOps:
+def kernel_blocks(interpret: bool, backend: str = "triton") -> BlockOps:
+    """The flash kernel's blocks on its Pallas `backend` (triton: pallas, mosaic: mosaic)."""
     from jaxtrain.model.kernels import flash_attention, flash_attention_backward
+    options = dict(causal=True, interpret=interpret, backend=backend)
 
     def forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos):
         return flash_attention(q, k, v, (q_seg, kv_seg), positions=(q_pos, kv_pos),
-                               return_lse=True, causal=True, interpret=interpret)
+                               return_lse=True, **options)
 
     def backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do):
         return flash_attention_backward(q, k, v, (q_seg, kv_seg), (q_pos, kv_pos), out, lse,
-                                        do, causal=True, interpret=interpret,
-                                        grad_dtype=jnp.float32)
+                                        do, grad_dtype=jnp.float32, **options)
     return BlockOps(forward, backward)
 
 
@@ -272,16 +274,16 @@ def ring_attention(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
 # ----------------------------------------------------------------------------- entry
 
 def core_name(core) -> str:
-    """'xla', 'pallas' or 'cudnn' for an attention core of attention.select."""
+    """'xla', 'pallas', 'mosaic' or 'cudnn' for an attention core of attention.select."""
     from jaxtrain.model import attention as attention_lib
     if core is attention_lib.xla_attention:
         return "xla"
     if isinstance(core, attention_lib.PallasAttention):
-        return "pallas"
+        return core.name
     if core is attention_lib.cudnn_attention:
         return "cudnn"
     raise ContextAttentionError(f"attention core {core!r} has no context-parallel form; "
-                                "use model.attention=xla, pallas or cudnn")
+                                "use model.attention=xla, pallas, mosaic or cudnn")
 
 
 def check_supported(core, strategy: str) -> None:
@@ -307,7 +309,7 @@ def attend(core, plan: ContextPlan, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_po
     if name == "cudnn":
         k, v, kv_seg, kv_pos = _gather_kv(k, v, kv_seg, kv_pos)
         return cudnn_gathered(q, k, v, q_seg, kv_seg, q_pos, kv_pos)
-    ops = XLA_BLOCKS if name == "xla" else pallas_blocks(core.interpret)
+    ops = XLA_BLOCKS if name == "xla" else kernel_blocks(core.interpret, core.backend)
     if plan.strategy == "ring":
         return ring_attention(ops, c, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
     return gathered_attention(ops, q, k, v, q_seg, kv_seg, q_pos, kv_pos)

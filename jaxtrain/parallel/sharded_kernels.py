@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxtrain.model.attention import is_kernel, local_kv_heads
+from jaxtrain.model.attention import check_interpretable, is_kernel, local_kv_heads
 from jaxtrain.parallel import context_attention
 from jaxtrain.parallel.mesh_axes import CONTEXT, TENSOR
 from jaxtrain.parallel.sharding import context_mesh, flat_axes, mesh_axes_for
@@ -81,6 +81,7 @@ def shard_attention(core: Callable, mesh: Mesh | None,
     as it is (GSPMD partitions it like the rest of the model). With `context` > 1 every core
     runs per shard with `context`'s strategy (default: all_gather, load-balanced); a core
     that lacks the strategy fails here, before anything compiles."""
+    check_interpretable(core, 1 if mesh is None else mesh.size)
     if mesh is not None and mesh.shape.get(CONTEXT, 1) > 1:
         context = context or context_attention.ContextPlan()
         context_attention.check_supported(core, context.strategy)

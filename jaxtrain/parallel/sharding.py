@@ -169,6 +169,14 @@ def platform(mesh) -> str:
     return mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else mesh.abstract_mesh.platform
 
 
+def compute_capability(mesh) -> str | None:
+    """'9.0', ... of a mesh's GPUs (compile-only ones report theirs too); None otherwise: what
+    picks a GPU kernel by architecture (attention.choose)."""
+    if not isinstance(mesh, Mesh):
+        return None
+    return getattr(mesh.devices.flat[0], "compute_capability", None)
+
+
 def constrain(x, named_sharding: NamedSharding):
     """with_sharding_constraint to `named_sharding`'s spec, valid inside a shard_map too: there
     the spec is re-targeted at the context mesh with the manual axes left out."""

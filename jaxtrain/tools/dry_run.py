@@ -77,6 +77,7 @@ class DryRun:
     device_kind: str
     gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
     executed: "pipeline_flops.ExecutedFlops | None" = None  # pipelined: per rank, as run
+    attention: tuple = ()        # (the attention core compiled, why: attention.choose)
 
     @property
     def n_devices(self) -> int:
@@ -162,7 +163,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     from jaxtrain import xla_flags
     from jaxtrain.model import attention
     from jaxtrain.parallel import sharding
-    from jaxtrain.tools import gpu_program, hlo, targets
+    from jaxtrain.tools import gpu_kernels, gpu_program, hlo, targets
     from jaxtrain.tools.compile_step import compile_step
     if target is not None:
         tgt = targets.get(target)
@@ -184,11 +185,15 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     if echo:
         echo(f"dry run: compiling the train step of {config_name} on {len(present)} x {kind} ...")
     is_gpu = sharding.platform(mesh) == "gpu"
-    flash = attention.is_kernel(attention.select(scaled.model, sharding.platform(mesh)))
+    chosen = attention.choose(scaled.model, sharding.platform(mesh),
+                              sharding.compute_capability(mesh))
+    flash = chosen[0] in ("pallas", "mosaic", "cudnn")
     with tempfile.TemporaryDirectory(prefix="jaxtrain-dump-") as dump:
-        # the dump holds each Pallas kernel's launch and PTX (registers, spills)
+        # the dumps hold each Pallas kernel's launch and PTX (registers, spills)
         extra = {"xla_dump_to": dump} if is_gpu and flash else None
-        out = compile_step(scaled, mesh, extra_options=extra)
+        mosaic_dir = f"{dump}/mosaic" if is_gpu and chosen[0] == "mosaic" else None
+        with gpu_kernels.mosaic_dump(mosaic_dir):
+            out = compile_step(scaled, mesh, extra_options=extra)
         report = None
         mem = hlo.memory(out.compiled)
         raw_colls = hlo.collectives_from_text(out.text, mesh)
@@ -197,7 +202,7 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                              (present[0].memory_stats() or {}).get("bytes_limit", 0))
             report = gpu_program.GpuReport.read(
                 out.text, mesh, dump if extra else None, device_memory, mem["total_bytes"],
-                xla_flags.for_platform(scaled, "gpu", mesh.shape), raw_colls)
+                xla_flags.for_platform(scaled, "gpu", mesh.shape), raw_colls, mosaic_dir)
     colls = hlo.reclassify_sliced_all_reduce(raw_colls)
     try:
         xla_flops = hlo.compiled_flops(out.compiled)
@@ -213,4 +218,4 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                   estimate=est, memory=mem, collectives=colls,
                   matmul_flops=hlo.matmul_flops_from_text(out.text), xla_flops=xla_flops,
                   lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
-                  gpu_report=report, executed=executed)
+                  gpu_report=report, executed=executed, attention=chosen)

@@ -44,6 +44,8 @@ def _layout_lines(r: DryRun) -> list[str]:
             f"stages of {ex.chunk_layers} layers, {ex.microbatches} microbatches; lock-step "
             f"table of {ex.steps} steps (F in {ex.f_steps}, B in {ex.b_steps}); bubble "
             f"{e.bubble:.1%} (Megatron), {e.lockstep_bubble:.1%} (the table)")
+    if r.attention:
+        out.append(f"  attention core: {r.attention[0]} ({r.attention[1]})")
     out.append(f"  lowered in {r.lower_s:.1f} s, compiled in {r.compile_s:.1f} s from "
                "abstract parameters: nothing allocated")
     return out
@@ -166,6 +168,7 @@ def report_json(r: DryRun) -> dict:
     out = {
         "config": r.config_name, "devices": r.n_devices, "device": r.device_kind,
         "layout": e.layout.short(), "changes": list(r.changes),
+        "attention": dict(zip(("core", "why"), r.attention)),
         "compiled": {"memory": r.memory, "matmul_flops": r.matmul_flops,
                      "executed_matmul_flops": None if r.executed is None else {
                          "per_rank": list(r.executed.per_rank),

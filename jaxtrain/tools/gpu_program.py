@@ -10,26 +10,25 @@ folder (`compiler_options={"xla_dump_to": DIR}`):
   prints a scheduled module, so the instruction order is the execution order of the compute
   stream; a collective with only elementwise work, or nothing, between start and done, or a
   synchronous one, is exposed whatever the hardware does).
-- `kernels`: each Pallas (Triton custom-call) kernel's grid, threads and shared memory from
-  the thunk sequence, and its registers and spills from ptxas (the nvidia-cuda-nvcc wheel
-  that jax[cuda12] installs) run on the kernel's PTX for sm_90a; `mosaic_kernels`: the same
-  for Mosaic GPU kernels, from what their compiler writes under compat.mosaic_gpu_dump.
+- `kernels` / `mosaic_kernels` (gpu_kernels.py): each Pallas kernel's launch resources,
+  registers and spills (Triton from XLA's dump folder, Mosaic GPU from its own).
 """
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import re
-import subprocess
 from typing import Any
 
 from jaxtrain.tools import hlo, hlo_module
+from jaxtrain.tools.gpu_kernels import (kernels, mosaic_kernel_names, mosaic_kernels,
+                                        pallas_kernel_names)
 
 # Between an async collective's start and done, what hides it: a matmul-class kernel (a GEMM
 # custom call or fusion, a Pallas/cuDNN kernel) or a loop or call (whose bodies hold them).
 # Elementwise fusions, slices and copies take microseconds next to a weight's all-gather.
 _CALL_OPS = {"while", "conditional", "call"}
-_KERNEL_TARGET = re.compile(r'custom_call_target="(?:__cublas|__cudnn|__gpu\$xla\.gpu\.triton)')
+_KERNEL_TARGET = re.compile(
+    r'custom_call_target="(?:__cublas|__cudnn|__gpu\$xla\.gpu\.triton|mosaic_gpu)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +44,6 @@ class AsyncCollective:
     collective: hlo.Collective
     is_async: bool      # a -start/-done pair (else a synchronous op)
     overlapped: bool    # compute scheduled between start and done
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    name: str
-    grid: tuple
-    threads: tuple
-    shared_memory: int
-    registers: int | None = None
-    spill_stores: int | None = None
-    spill_loads: int | None = None
-
-    @property
-    def spills(self) -> bool:
-        return bool(self.spill_stores or self.spill_loads)
 
 
 # ----------------------------------------------------------------------------- GEMMs
@@ -206,99 +190,6 @@ def overlap_by_axis(acs: list[AsyncCollective]) -> dict[tuple | None, tuple[floa
     return out
 
 
-# ----------------------------------------------------------------------------- kernels
-
-_THUNK_RE = re.compile(r"\]\s+(\S+)\s+grid:\s*\[([\d,\s]+)\]\s+threads:\s*\[([\d,\s]+)\]\s+"
-                       r"shared_memory:\s*(\d+)")
-_PALLAS_NAME_RE = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?name = "([^"]+)"')
-
-
-def pallas_kernel_names(text: str) -> set[str]:
-    return set(_PALLAS_NAME_RE.findall(text))
-
-
-def ptxas_path() -> pathlib.Path:
-    import importlib.util
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("ptxas: the nvidia-cuda-nvcc wheel (installed with jax[cuda12]) "
-                                "is missing")
-    return pathlib.Path(list(spec.submodule_search_locations)[0]) / "bin" / "ptxas"
-
-
-def _ptxas(ptx: pathlib.Path, arch: str = "sm_90a") -> tuple[int, int, int]:
-    """(registers, spill store bytes, spill load bytes) of a PTX file's kernel."""
-    res = subprocess.run([str(ptxas_path()), f"-arch={arch}", "-v", str(ptx), "-o", "/dev/null"],
-                         capture_output=True, text=True, timeout=300)
-    info = res.stdout + res.stderr
-    regs = re.search(r"Used (\d+) registers", info)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    if res.returncode or not regs:
-        raise RuntimeError(f"ptxas failed on {ptx.name}: {info[-400:]}")
-    return int(regs.group(1)), int(spill.group(1)) if spill else 0, \
-        int(spill.group(2)) if spill else 0
-
-
-def kernels(dump_dir: str | pathlib.Path, names: set[str]) -> list[Kernel]:
-    """Launch resources of the named kernels from a compile's dump folder."""
-    dump = pathlib.Path(dump_dir)
-    seq = sorted(dump.glob("*thunk_sequence.txt"))
-    if not seq:
-        raise FileNotFoundError(f"no *thunk_sequence.txt in {dump}: compile with "
-                                "compiler_options={'xla_dump_to': DIR}")
-    launches = {}
-    for line in seq[-1].read_text().splitlines():
-        m = _THUNK_RE.search(line)
-        if m and m.group(1) in names:
-            launches.setdefault(m.group(1), m)
-    ptx = {}
-    for f in dump.glob("*.ptx"):
-        m = re.search(r"\.entry\s+([\w$]+)\(", f.read_text())
-        if m and m.group(1) in names:
-            ptx[m.group(1)] = f
-    out = []
-    for name, m in sorted(launches.items()):
-        regs = stores = loads = None
-        if name in ptx:
-            regs, stores, loads = _ptxas(ptx[name])
-        out.append(Kernel(name, tuple(hlo_module.ints(m.group(2))), tuple(hlo_module.ints(m.group(3))),
-                          int(m.group(4)), regs, stores, loads))
-    return out
-
-
-# A Mosaic kernel's launch in its pass log: `gpu.launch ... blocks(...) in (%a = %c132, ...)
-# threads(...) in (%b = %c128, ...) dynamic_shared_memory_size %c131104_i32`.
-_MOSAIC_LAUNCH_RE = re.compile(r"blocks\([^)]*\) in \(%\w+ = %c(\d+), %\w+ = %c(\d+), %\w+ = "
-                               r"%c(\d+)\) threads\([^)]*\) in \(%\w+ = %c(\d+).*"
-                               r"dynamic_shared_memory_size %c(\d+)_i32")
-
-
-def mosaic_kernels(dump_dir: str | pathlib.Path) -> list[Kernel]:
-    """Resources of the Mosaic GPU kernels compiled under `compat.mosaic_gpu_dump(dump_dir)`:
-    registers and spills from the ptxas report Mosaic writes per kernel, the launch (grid,
-    threads, dynamic shared memory) from its pass log."""
-    out = []
-    for report in sorted(pathlib.Path(dump_dir).glob("*.ptxas")):
-        info = report.read_text()
-        regs = re.search(r"Used (\d+) registers", info)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-        launch = None
-        with open(report.with_suffix(".mlir-passes.log"), errors="replace") as log:
-            for line in log:   # the log is large; the launch appears early
-                launch = _MOSAIC_LAUNCH_RE.search(line)
-                if launch:
-                    break
-        if launch is None:
-            raise FileNotFoundError(f"{report.with_suffix('.mlir-passes.log')} holds no kernel "
-                                    "launch: compile under compat.mosaic_gpu_dump(folder)")
-        grid, threads, smem = launch.groups()[:3], launch.group(4), launch.group(5)
-        out.append(Kernel(report.stem, tuple(map(int, grid)), (int(threads),), int(smem),
-                          int(regs.group(1)) if regs else None,
-                          int(spill.group(1)) if spill else None,
-                          int(spill.group(2)) if spill else None))
-    return out
-
-
 # ----------------------------------------------------------------------------- the report
 
 @dataclasses.dataclass
@@ -313,11 +204,12 @@ class GpuReport:
 
     @classmethod
     def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes,
-             xla_options: dict | None = None, collectives=None):
+             xla_options: dict | None = None, collectives=None, mosaic_dir=None):
         names = pallas_kernel_names(text)
         ks = kernels(dump_dir, names) if names and dump_dir is not None else []
-        if dump_dir is not None:   # compiled under compat.mosaic_gpu_dump(dump_dir)
-            ks += mosaic_kernels(dump_dir)
+        mosaic = mosaic_kernel_names(text)
+        if mosaic and mosaic_dir is not None:
+            ks += mosaic_kernels(mosaic_dir, mosaic)
         return cls(gemm_summary(gemms(text)), async_collectives(text, mesh, collectives), ks,
                    device_memory, total_bytes, dict(xla_options or {}))
 
@@ -352,11 +244,14 @@ class GpuReport:
             out.append(f"    {label:14} {hidden / 1e9:10.3f} of {all_ / 1e9:10.3f} GB  "
                        f"{hidden / all_ if all_ else 0:6.1%}")
         if self.kernels:
-            out.append("  Pallas/Mosaic kernels grid              threads  smem KiB  regs  spills")
+            out.append("  Pallas kernels                  grid              threads  smem KiB  "
+                       "regs  spills")
             for k in self.kernels:
                 spills = "-" if k.spill_stores is None else f"{k.spill_stores}/{k.spill_loads} B"
-                out.append(f"    {k.name:22} {str(list(k.grid)):16} {k.threads[0]:7d}  "
-                           f"{k.shared_memory / 1024:8.0f}  {k.registers or '-':>4}  {spills}")
+                wg = (" (setmaxnreg " + "/".join(map(str, k.warpgroup_registers)) + ")"
+                      if k.warpgroup_registers else "")
+                out.append(f"    {k.name:30} {str(list(k.grid)):16} {k.threads[0]:7d}  "
+                           f"{k.shared_memory / 1024:8.0f}  {k.registers or '-':>4}  {spills}{wg}")
         if self.total_bytes is not None:
             verdict = ("fits" if self.fits() else
                        f"DOES NOT FIT: {(self.total_bytes - self.device_memory) / gib:.2f} GiB "

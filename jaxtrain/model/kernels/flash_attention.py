@@ -1,4 +1,5 @@
-"""Flash attention (forward + backward) in Pallas, Triton backend, with GQA and packed documents.
+"""Flash attention (forward + backward) in Pallas, on the Triton or the Mosaic GPU backend, with
+GQA, packed documents and a value head size that may differ from the query/key one.
 
 Layout is [batch, seq, heads, head_dim]: q_BSHD, k_BSKD, v_BSKD with H % K == 0; query head h reads
 kv head h // (H // K). The algorithm is FlashAttention-2: the forward walks KV blocks with an online
@@ -11,12 +12,18 @@ keys (causal masking by position, tiles skipped by position ranges), queries and
 different lengths, and return the log-sum-exp; `flash_attention_backward` gives one block's
 share of the gradients from the whole attention's output and LSE (a ring step's backward).
 
-On CPU the same kernels run in Pallas interpret mode, which is how the tests check them.
+`backend="triton"` (the default) is the FlashAttention-2-style kernel above; `backend="mosaic"`
+runs the same algorithm and contract as Hopper kernels on Mosaic GPU (FlashAttention-3's
+warp-specialised producer/consumer programs with TMA and wgmma: mosaic_forward.py,
+mosaic_backward.py, mosaic_tiles.py), bf16/fp16 only.
+
+On CPU the same kernels run in Pallas interpret mode (Mosaic GPU's: jax's GPU interpreter),
+which is how the tests check them.
 
 The pieces: flash_config.py turns a call's arguments into the kernels' static configuration
-(validation, block sizes, launch parameters); flash_tiles.py holds what the kernels share;
-flash_forward.py and flash_backward.py the kernels and their pallas_calls. This module is the
-public API, the XLA reference, and the custom VJP with the padding around the kernels.
+(validation, block sizes, launch parameters); flash_tiles.py holds what the Triton kernels
+share; flash_forward.py and flash_backward.py the kernels and their pallas_calls. This module
+is the public API, the XLA reference, and the custom VJP with the padding around the kernels.
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ from jaxtrain.model.kernels.flash_config import (MAX_HEAD_DIM, SUPPORTED_DTYPES,
                                                  _split_positions, _split_segments)
 from jaxtrain.model.kernels.flash_forward import _forward
 from jaxtrain.model.kernels.flash_tiles import _LN2, _LOG2E, _MASKED
+from jaxtrain.model.kernels.mosaic_backward import mosaic_backward
+from jaxtrain.model.kernels.mosaic_forward import mosaic_forward
 
 __all__ = [
     "FlashAttentionError",
@@ -62,7 +71,7 @@ def reference_attention(q, k, v, segment_ids: SegmentIds = None, causal: bool = 
   """
   B, S, H, D = q.shape
   K = k.shape[2]
-  check_groups(H, K)
+  check_groups(H, K)  # v's head dim may differ from q/k's (the output takes v's)
   group = H // K
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
@@ -118,14 +127,16 @@ def _flash_core(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 # forward-over-reverse) would reach the pallas_call JVP rule, which fails deep inside Pallas.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _forward_kernel(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
-  return _forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)[:2]
+  forward = mosaic_forward if cfg.backend == "mosaic" else _forward
+  return forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)[:2]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 12))
 def _backward_kernels(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS,
                       grad_dtype=None):
-  return _backward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS,
-                   grad_dtype)[:3]
+  backward = mosaic_backward if cfg.backend == "mosaic" else _backward
+  return backward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do, dlse_BHS,
+                  grad_dtype)[:3]
 
 
 def _no_second_derivative(cfg, *args):
@@ -155,14 +166,18 @@ _flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
 _NEVER = np.iinfo(np.int32).max  # the position of a padded key: after every query
 
 
-def _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_head_dim):
-  Sq, Sk, D = q.shape[1], k.shape[1], q.shape[3]
-  pad_d = padded_head_dim - D
+def _pad_to(x, length: int, dim: int):
+  """x [B, S, heads, d] zero-padded to [B, length, heads, dim]."""
+  if x.shape[1] == length and x.shape[3] == dim:
+    return x
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+
+
+def _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_dims):
+  Sk = k.shape[1]
   # Zero head-dim padding leaves q.k and the real output columns unchanged.
-  if padded_sq != Sq or pad_d:
-    q = jnp.pad(q, ((0, 0), (0, padded_sq - Sq), (0, 0), (0, pad_d)))
-  if padded_sk != Sk or pad_d:
-    k, v = (jnp.pad(x, ((0, 0), (0, padded_sk - Sk), (0, 0), (0, pad_d))) for x in (k, v))
+  (d, dv) = padded_dims
+  q, k, v = _pad_to(q, padded_sq, d), _pad_to(k, padded_sk, d), _pad_to(v, padded_sk, dv)
   if q_seg is not None:
     q_seg = block_map.pad_segments(jnp, q_seg, padded_sq)
     kv_seg = block_map.pad_segments(jnp, kv_seg, padded_sk)
@@ -174,28 +189,27 @@ def _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_hea
   return q, k, v, q_seg, kv_seg, q_pos, kv_pos
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_head_dim"))
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_dims"))
 def _flash_padded(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, cfg, padded_sq, padded_sk,
-                  padded_head_dim):
-  Sq, D = q.shape[1], q.shape[3]
+                  padded_dims):
+  Sq, Dv = q.shape[1], v.shape[3]
   out, lse = _flash_core(cfg, *_pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq,
-                                    padded_sk, padded_head_dim))
-  return out[:, :Sq, :, :D], lse[:, :, :Sq]
+                                    padded_sk, padded_dims))
+  return out[:, :Sq, :, :Dv], lse[:, :, :Sq]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_head_dim",
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_dims",
                                              "grad_dtype"))
 def _backward_padded(q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse, do, *, cfg, padded_sq,
-                     padded_sk, padded_head_dim, grad_dtype=None):
-  Sq, Sk, D = q.shape[1], k.shape[1], q.shape[3]
-  padded = _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_head_dim)
-  rows = ((0, 0), (0, padded_sq - Sq), (0, 0), (0, padded_head_dim - D))
-  out, do = jnp.pad(out, rows), jnp.pad(do, rows)
+                     padded_sk, padded_dims, grad_dtype=None):
+  Sq, Sk, D, Dv = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+  padded = _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_dims)
+  out, do = _pad_to(out, padded_sq, padded_dims[1]), _pad_to(do, padded_sq, padded_dims[1])
   # padded rows see no key (+inf), so they add nothing to dK/dV
   lse2 = jnp.pad(_kernel_lse(lse.astype(jnp.float32)), ((0, 0), (0, 0), (0, padded_sq - Sq)),
                  constant_values=jnp.inf)
   dq, dk, dv = _backward_kernels(cfg, *padded, out, lse2, do, None, grad_dtype)
-  return dq[:, :Sq, :, :D], dk[:, :Sk, :, :D], dv[:, :Sk, :, :D]
+  return dq[:, :Sq, :, :D], dk[:, :Sk, :, :D], dv[:, :Sk, :, :Dv]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,13 +237,16 @@ def flash_attention(
     interpret: Optional[bool] = None,
     precision: Optional[lax.Precision] = None,
     skip_empty_blocks: bool = True,
+    backend: str = "triton",
+    fast_mma: bool = False,
 ):
   """Memory-efficient attention softmax(q k^T * sm_scale + mask) v, differentiable once.
 
   Args:
     q_BSHD: queries [B, Sq, H, D]; float32, bfloat16 or float16.
-    k_BSKD, v_BSKD: keys/values [B, Sk, K, D] with H % K == 0 (K == 1 is MQA); same dtype as
-      q. Sk may differ from Sq (a context-parallel shard's queries against gathered keys).
+    k_BSKD, v_BSKD: keys [B, Sk, K, D] and values [B, Sk, K, Dv] with H % K == 0 (K == 1 is
+      MQA); same dtype as q; Dv may differ from D (DeepSeek's latent attention: 192 / 128).
+      Sk may differ from Sq (a context-parallel shard's queries against gathered keys).
     segment_ids_BS: None, an int [B, S] array (packed documents: i attends to j only when their
       ids match; Sq == Sk), or a pair (q_segment_ids [B, Sq], kv_segment_ids [B, Sk]), both
       given. Rows with no visible key return 0. Ids are compared exactly in any integer dtype
@@ -246,8 +263,10 @@ def flash_attention(
     sm_scale: logit scale, default 1/sqrt(D).
     block_q, block_k: forward tile sizes; block_q_bwd, block_k_bwd: backward tile sizes
       (dK/dV kernel keeps a block_k_bwd KV tile and loops over block_q_bwd q tiles; dQ the
-      reverse). Powers of two >= 16; None picks Hopper defaults by head_dim.
-    num_warps*, num_stages*: Triton launch parameters (GPU only).
+      reverse). Triton: powers of two >= 16; Mosaic: 64 or 128 (rows per warpgroup). None
+      picks Hopper defaults by head_dim.
+    num_warps*, num_stages*: Triton launch parameters (GPU only); Mosaic takes num_stages*
+      as its TMA pipeline depth (>= 2).
     interpret: run the Pallas interpreter; None means True unless the default backend is GPU.
     precision: of the in-kernel dots. None follows jax's default_matmul_precision, whose
       default, like DEFAULT and HIGH, computes fp32 inputs in TF32 on GPU (as XLA's fp32 dots
@@ -256,9 +275,14 @@ def flash_attention(
     skip_empty_blocks: with segment ids or positions, skip the (q block, kv block) tiles no
       query of which sees a key of (block_map.py; exact). False only to measure what
       skipping saves.
+    backend: "triton" (any GPU Pallas supports; fp32 too) or "mosaic" (Hopper: H100/H200;
+      bfloat16/float16, head dims up to 192).
+    fast_mma: with backend="mosaic", FlashAttention-3's product forms (transposed and
+      register operands, in-place accumulation: mosaic_tiles.Mma), which jax's GPU
+      interpreter does not run; False (the checked forms) until a GPU has confirmed them.
 
   Returns:
-    [B, Sq, H, D] in q's dtype (and the LSE with return_lse). Softmax statistics and all
+    [B, Sq, H, Dv] in q's dtype (and the LSE with return_lse). Softmax statistics and all
     accumulations are fp32. An empty batch or sequence returns empty arrays without running a
     kernel.
 
@@ -273,10 +297,11 @@ def flash_attention(
       q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, positions, causal=causal, sm_scale=sm_scale,
       blocks=(block_q, block_k, block_q_bwd, block_k_bwd), num_warps=num_warps,
       num_warps_bwd=num_warps_bwd, num_stages=num_stages, num_stages_bwd=num_stages_bwd,
-      interpret=interpret, precision=precision, skip_empty_blocks=skip_empty_blocks)
+      interpret=interpret, precision=precision, skip_empty_blocks=skip_empty_blocks,
+      backend=backend, fast_mma=fast_mma)
   B, Sq, H, _ = q_BSHD.shape
   if sizes is None:  # an empty batch or sequence
-    out = jnp.zeros(q_BSHD.shape, q_BSHD.dtype)
+    out = jnp.zeros((B, Sq, H, v_BSKD.shape[3]), q_BSHD.dtype)
     return (out, jnp.full((B, H, Sq), -jnp.inf, jnp.float32)) if return_lse else out
   out, lse = _flash_padded(q_BSHD, k_BSKD, v_BSKD, *ids, **sizes)
   return (out, lse) if return_lse else out
@@ -307,7 +332,7 @@ def block_counts(q_shape, segment_ids_BS=None, *, causal: bool = True,
   compute for queries of shape `q_shape` and these (numpy or concrete) segment ids: the same
   blocks, padding and block map the kernels use, counted on the host without running them."""
   B, S, H, D = q_shape
-  cfg, padded_s, _, _ = _resolve(
+  cfg, padded_s, *_ = _resolve(
       B, S, S, H, D, segment_ids_BS is not None, causal=causal, sm_scale=None,
       blocks=(block_q, block_k, block_q_bwd, block_k_bwd), num_warps=None, num_warps_bwd=None,
       num_stages=None, num_stages_bwd=None, interpret=True, precision=None,
@@ -332,20 +357,20 @@ def _kernel_block_counts(q, k, v, segment_ids_BS=None, *, causal=True, blocks=(N
   if q_pos is not None:
     q_pos, kv_pos = (jnp.asarray(x, jnp.int32)[None] for x in (q_pos, kv_pos))
   B, Sq, H, D = q.shape
-  cfg, padded_sq, padded_sk, padded_d = _resolve(
+  cfg, padded_sq, padded_sk, *dims = _resolve(
       B, Sq, k.shape[1], H, D, q_seg is not None, q_pos is not None, causal=causal,
       sm_scale=None, blocks=blocks, num_warps=None, num_warps_bwd=None, num_stages=None,
       num_stages_bwd=None, interpret=None, precision=None,
-      skip_empty_blocks=skip_empty_blocks, count_blocks=True)
+      skip_empty_blocks=skip_empty_blocks, count_blocks=True, Dv=v.shape[3])
   return block_map.BlockCounts(*(int(n) for n in _counted_run(
       q, k, v, q_seg, kv_seg, q_pos, kv_pos, cfg=cfg, padded_sq=padded_sq, padded_sk=padded_sk,
-      padded_head_dim=padded_d)))
+      padded_dims=tuple(dims))))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_head_dim"))
+@functools.partial(jax.jit, static_argnames=("cfg", "padded_sq", "padded_sk", "padded_dims"))
 def _counted_run(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, cfg, padded_sq, padded_sk,
-                 padded_head_dim):
-  padded = _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_head_dim)
+                 padded_dims):
+  padded = _pad(q, k, v, q_seg, kv_seg, q_pos, kv_pos, padded_sq, padded_sk, padded_dims)
   out, lse_BHS, n_fwd = _forward(cfg, *padded)
   _, _, _, (n_dkv, n_dq) = _backward(cfg, *padded, out, lse_BHS, jnp.ones_like(out))
   return jnp.sum(n_fwd), jnp.sum(n_dkv), jnp.sum(n_dq)

@@ -18,12 +18,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels.flash_config import _Config
 from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _col_loops, _dot, _dot_nt, _mask,
-                                                _q_block_index, _q_maps, _q_program_inputs,
-                                                _row_loops, _run_loops, _schedule_specs,
-                                                _schedules, _split_refs)
+                                                _pallas_call, _q_block_index, _q_maps,
+                                                _q_program_inputs, _row_loops, _run_loops,
+                                                _schedule_specs, _schedules, _split_refs)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, group: int):
@@ -70,9 +69,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
   def group_body(g, state):
     return _run_loops(loops, block_of, functools.partial(q_body, g=g), *state)
 
-  zeros = jnp.zeros((block_k, head_dim), jnp.float32)
+  zeros = (jnp.zeros((block_k, head_dim), jnp.float32),
+           jnp.zeros((block_k, v_ref.shape[1]), jnp.float32))
   count = jnp.int32(0) if cfg.count_blocks else None
-  (dk, dv), count = lax.fori_loop(0, group, group_body, ((zeros, zeros), count))
+  (dk, dv), count = lax.fori_loop(0, group, group_body, (zeros, count))
   if count_ref is not None:
     count_ref[...] = count
   dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
@@ -127,13 +127,13 @@ def _dkv_call(cfg: _Config, q, k, v, do, lse_BHS, delta_BHS, q_seg, kv_seg, q_po
   """(dk, dv, debug count or None) over grid (kv block, batch, kv head); the group's q heads
   are a contiguous slab. `cols`: the block map's q blocks of each kv block (cfg.skip_blocks)."""
   B, Sq, H, D = q.shape
-  Sk, K = k.shape[1], k.shape[2]
+  Sk, K, Dv = k.shape[1], k.shape[2], v.shape[3]
   group = H // K
   bk = cfg.block_k_bwd
-  group_q_spec = pl.BlockSpec((None, Sq, group, D), lambda j, b, kh: (b, 0, kh, 0))
-  kv_block_spec = pl.BlockSpec((None, bk, None, D), lambda j, b, kh: (b, j, kh, 0))
+  group_spec = lambda d: pl.BlockSpec((None, Sq, group, d), lambda j, b, kh: (b, 0, kh, 0))  # noqa: E731
+  kv_spec = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, b, kh: (b, j, kh, 0))  # noqa: E731
   group_row_spec = pl.BlockSpec((None, group, Sq), lambda j, b, kh: (b, kh, 0))
-  in_specs = [group_q_spec, kv_block_spec, kv_block_spec, group_q_spec, group_row_spec,
+  in_specs = [group_spec(D), kv_spec(D), kv_spec(Dv), group_spec(Dv), group_row_spec,
               group_row_spec]
   args = [q, k, v, do, lse_BHS, delta_BHS]
   if cfg.has_segments:
@@ -147,23 +147,15 @@ def _dkv_call(cfg: _Config, q, k, v, do, lse_BHS, delta_BHS, q_seg, kv_seg, q_po
   if cfg.skip_blocks:
     in_specs += _schedule_specs(cols, lambda j, b, kh: (b, j))
     args += list(cols)
-  out_specs = [kv_block_spec, kv_block_spec]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, grad_dtype or k.dtype),
-               jax.ShapeDtypeStruct(v.shape, grad_dtype or v.dtype)]
-  if cfg.count_blocks:
-    out_specs.append(pl.BlockSpec((None, None, None), lambda j, b, kh: (b, kh, j)))
-    out_shape.append(jax.ShapeDtypeStruct((B, K, Sk // bk), jnp.int32))
-  dk, dv, *count = pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg, group=group),
-      grid=(Sk // bk, B, K),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd),
-      interpret=cfg.interpret,
-      name="jaxtrain_flash_bwd_dkv",
-  )(*args)
-  return dk, dv, (count[0] if count else None)
+  (dk, dv), count = _pallas_call(
+      functools.partial(_dkv_kernel, cfg=cfg, group=group), cfg, args,
+      name="jaxtrain_flash_bwd_dkv", grid=(Sk // bk, B, K), in_specs=in_specs,
+      out_specs=[kv_spec(D), kv_spec(Dv)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, grad_dtype or k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, grad_dtype or v.dtype)],
+      count_map=lambda j, b, kh: (b, kh, j), count_shape=(B, K, Sk // bk),
+      warps_stages=(cfg.num_warps_bwd, cfg.num_stages_bwd))
+  return dk, dv, count
 
 
 def _dq_call(cfg: _Config, q, k, v, do, lse_BHS, delta_BHS, q_seg, kv_seg, q_pos, kv_pos, rows,
@@ -171,35 +163,26 @@ def _dq_call(cfg: _Config, q, k, v, do, lse_BHS, delta_BHS, q_seg, kv_seg, q_pos
   """(dq, debug count or None) over grid (q block, batch, q head). `rows`: the block map's kv
   blocks of each q block (cfg.skip_blocks)."""
   B, Sq, H, D = q.shape
-  Sk, K = k.shape[1], k.shape[2]
+  Sk, K, Dv = k.shape[1], k.shape[2], v.shape[3]
   group = H // K
   bq = cfg.block_q_bwd
   num_q_blocks = Sq // bq
   maps = _q_maps(cfg, num_q_blocks, group)
-  q_spec = pl.BlockSpec((None, bq, None, D), maps.q)
-  kv_full_spec = pl.BlockSpec((None, Sk, None, D), maps.kv)
+  q_spec = lambda d: pl.BlockSpec((None, bq, None, d), maps.q)  # noqa: E731
+  kv_full_spec = lambda d: pl.BlockSpec((None, Sk, None, d), maps.kv)  # noqa: E731
   row_spec = pl.BlockSpec((None, None, bq), maps.row)
-  in_specs = [q_spec, kv_full_spec, kv_full_spec, q_spec, row_spec, row_spec]
+  in_specs = [q_spec(D), kv_full_spec(D), kv_full_spec(Dv), q_spec(Dv), row_spec, row_spec]
   extra_specs, extra_args = _q_program_inputs(cfg, maps.q_row, bq, Sk, q_seg, kv_seg, q_pos, kv_pos,
                                               rows)
   in_specs += extra_specs
   args = [q, k, v, do, lse_BHS, delta_BHS, *extra_args]
-  out_specs = [q_spec]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)]
-  if cfg.count_blocks:
-    out_specs.append(pl.BlockSpec((None, None, None), maps.row))
-    out_shape.append(jax.ShapeDtypeStruct((B, H, num_q_blocks), jnp.int32))
-  dq, *count = pl.pallas_call(
-      functools.partial(_dq_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
-      grid=(num_q_blocks, B, H),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=triton_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd),
-      interpret=cfg.interpret,
-      name="jaxtrain_flash_bwd_dq",
-  )(*args)
-  return dq, (count[0] if count else None)
+  (dq,), count = _pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg, num_q_blocks=num_q_blocks), cfg, args,
+      name="jaxtrain_flash_bwd_dq", grid=(num_q_blocks, B, H), in_specs=in_specs,
+      out_specs=[q_spec(D)], out_shape=[jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype)],
+      count_map=maps.row, count_shape=(B, H, num_q_blocks),
+      warps_stages=(cfg.num_warps_bwd, cfg.num_stages_bwd))
+  return dq, count
 
 
 def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse_BHS, do,

@@ -1,8 +1,9 @@
 """From a flash_attention call's arguments to the kernels' static configuration.
 
 Validation (shapes, dtypes, segment ids, positions), the block sizes (Hopper defaults by head
-dim, or the caller's, checked), Triton launch parameters, the dots' precision, and the padded
-sizes they imply: `_prepare` for a call, `_resolve` for what block_counts counts too.
+dim, or the caller's, checked), Triton launch parameters or the Mosaic GPU kernels' warpgroups
+and pipeline depth, the dots' precision, and the padded sizes they imply: `_prepare` for a
+call, `_resolve` for what block_counts counts too.
 """
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 MAX_HEAD_DIM = 256
 # Triton's tl.dot needs every tile dimension to be a power of two and at least 16.
 _MIN_TILE = 16
+BACKENDS = ("triton", "mosaic")
+# Mosaic GPU (mosaic_*.py): wgmma on 16-bit tiles whose minor dimension fills 128-byte
+# swizzled rows (64 elements; head dims are zero-padded to that), one warpgroup's 64 rows per
+# block. Its backward's shared memory holds head dims up to 192 (DeepSeek's 192/128).
+MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MOSAIC_TILE = 64
+MOSAIC_MAX_HEAD_DIM = 192
 
 SegmentIds = Union[jax.Array, Tuple[jax.Array, jax.Array], None]
 
@@ -51,6 +59,10 @@ class _Config:
   num_stages: Optional[int]
   num_stages_bwd: Optional[int]
   interpret: bool
+  backend: str = "triton"  # or "mosaic": the Mosaic GPU kernels (mosaic_forward/backward.py)
+  fast_mma: bool = False   # mosaic: FlashAttention-3's products, not interpretable (mosaic_tiles)
+  compute_wgs: int = 2     # mosaic: compute warpgroups per forward program (blocks of rows)
+  compute_wgs_bwd: int = 2  # mosaic: per backward program
 
 
 def _default_blocks(head_dim: int) -> Tuple[int, int, int, int]:
@@ -145,18 +157,20 @@ def _validate(q, k, v, q_seg, kv_seg, q_pos, kv_pos, one_segment_array: bool):
       raise FlashAttentionError(
           f"{name} must be 4-D [batch, seq, heads, head_dim]; got shape {getattr(x, 'shape', x)}.")
   B, S, H, D = q.shape
-  if k.shape != v.shape:
-    raise FlashAttentionError(f"k and v must have the same shape; got k {k.shape}, v {v.shape}.")
+  if k.shape[:3] != v.shape[:3]:
+    raise FlashAttentionError(f"k and v must have the same batch, length and heads; got k "
+                              f"{k.shape}, v {v.shape} (only v's head dim may differ).")
   Bk, Sk, K, Dk = k.shape
   if Bk != B:
     raise FlashAttentionError(f"batch mismatch: q has {B}, k/v have {Bk}.")
   if Dk != D:
     raise FlashAttentionError(f"head_dim mismatch: q has {D}, k/v have {Dk}.")
   check_groups(H, K)
-  if not 1 <= D <= MAX_HEAD_DIM:
-    raise FlashAttentionError(
-        f"head_dim={D} is unsupported: must be in [1, {MAX_HEAD_DIM}] (non-powers of two and "
-        "dims below 16 are zero-padded).")
+  for name, d in (("head_dim", D), ("v head_dim", v.shape[3])):
+    if not 1 <= d <= MAX_HEAD_DIM:
+      raise FlashAttentionError(
+          f"{name}={d} is unsupported: must be in [1, {MAX_HEAD_DIM}] (non-powers of two and "
+          "dims below 16 are zero-padded).")
   dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
   if len(dtypes) != 1:
     raise FlashAttentionError(
@@ -198,24 +212,78 @@ def _precision(precision) -> lax.Precision:
         "inputs on GPU; HIGHEST: full fp32)") from None
 
 
+def _check_mosaic(dtype, D, Dv, blocks, num_stages, num_stages_bwd):
+  """The Mosaic GPU kernels' limits, before anything is traced (one line each)."""
+  if jnp.dtype(dtype) not in MOSAIC_DTYPES:
+    raise FlashAttentionError(
+        f"backend='mosaic' takes bfloat16 or float16 (wgmma on 16-bit tiles), got {dtype}; "
+        "cast q/k/v, or use backend='triton'.")
+  if max(D, Dv) > MOSAIC_MAX_HEAD_DIM:
+    raise FlashAttentionError(
+        f"backend='mosaic' takes head dims up to {MOSAIC_MAX_HEAD_DIM} (its backward's shared "
+        f"memory), got q/k {D}, v {Dv}; use backend='triton'.")
+  for name, value in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"), blocks):
+    if value is not None and (not isinstance(value, int) or value not in (64, 128)):
+      raise FlashAttentionError(
+          f"{name}={value!r}: backend='mosaic' blocks are 64 or 128 rows (a warpgroup's wgmma "
+          "tile); pass 64 or 128, or None for the defaults.")
+  for name, value in (("num_stages", num_stages), ("num_stages_bwd", num_stages_bwd)):
+    if value is not None and (not isinstance(value, int) or value < 2):
+      raise FlashAttentionError(
+          f"{name}={value!r}: backend='mosaic' pipelines at least 2 shared-memory stages.")
+
+
+def _mosaic_blocks(blocks, fast: bool):
+  """(block_q, block_k, block_q_bwd, block_k_bwd) and compute warpgroups (forward, backward).
+
+  Compiled for sm_90a (tests/test_gpu_compile.py reads ptxas' report): with the checked
+  products a 128-key forward block needs 234 KB of shared memory at head dim 128 (the H100
+  gives a block 227 KB), and the backward fits 255 registers only with one compute
+  warpgroup per program; the fast products fit 128 keys and two. Not yet timed on hardware.
+  """
+  defaults = (64, 128 if fast else 64, 64, 64)
+  chosen = tuple(d if b is None else b for b, d in zip(blocks, defaults))
+  return chosen, (2, 2 if fast else 1)
+
+
 def _resolve(B, Sq, Sk, H, D, has_segments, has_positions=False, *, causal, sm_scale, blocks,
              num_warps, num_warps_bwd, num_stages, num_stages_bwd, interpret, precision,
-             skip_empty_blocks, count_blocks=False):
-  """(_Config, padded q length, padded kv length, padded head_dim) for a call: what
-  flash_attention runs and what block_counts counts."""
-  padded_d = max(_MIN_TILE, pl.next_power_of_2(D))
-  chosen = []
-  for name, value, default, n in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"),
-                                     blocks, _default_blocks(padded_d), (Sq, Sk, Sq, Sk)):
-    chosen.append(_check_block(name, value) if value is not None else _fit_block(default, n))
-  multiple = max(chosen)
-  padded_sq, padded_sk = (-(-n // multiple) * multiple for n in (Sq, Sk))
+             skip_empty_blocks, count_blocks=False, backend="triton", fast_mma=False, Dv=None,
+             dtype=None):
+  """(_Config, padded q length, padded kv length, padded head_dim, padded v head_dim) for a
+  call: what flash_attention runs and what block_counts counts."""
+  Dv = D if Dv is None else Dv
+  if backend not in BACKENDS:
+    raise FlashAttentionError(f"backend={backend!r}; choose one of {BACKENDS}")
+  wgs = (1, 1)
+  if backend == "mosaic":
+    _check_mosaic(dtype, D, Dv, blocks, num_stages, num_stages_bwd)
+    padded_d, padded_dv = (-(-d // MOSAIC_TILE) * MOSAIC_TILE for d in (D, Dv))
+    chosen, wgs = _mosaic_blocks(blocks, fast_mma)
+    # a program's rows: wgs blocks; both lengths cover every kernel's blocks and programs
+    q_multiple = max(wgs[0] * chosen[0], wgs[1] * chosen[2])
+    k_multiple = max(chosen[1], chosen[3] * wgs[1])
+  else:
+    padded_d, padded_dv = (max(_MIN_TILE, pl.next_power_of_2(d)) for d in (D, Dv))
+    chosen = []
+    for name, value, default, n in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"),
+                                       blocks, _default_blocks(max(padded_d, padded_dv)),
+                                       (Sq, Sk, Sq, Sk)):
+      chosen.append(_check_block(name, value) if value is not None else _fit_block(default, n))
+    q_multiple = k_multiple = max(chosen)
+  padded_sq, padded_sk = -(-Sq // q_multiple) * q_multiple, -(-Sk // k_multiple) * k_multiple
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  if backend == "mosaic" and fast_mma and interpret:
+    raise FlashAttentionError(
+        "fast_mma=True uses what jax's GPU interpreter does not run (transposed and register "
+        "wgmma operands, pl.run_state accumulators); interpret with fast_mma=False, or "
+        "compile for a GPU (interpret=False).")
   # Padded keys sit after every real query (positions Sk, ... or flash_attention._NEVER) unless
   # attention is not causal or more queries than keys count from 0: only then a length mask
   # hides them.
   hide_padding = padded_sk != Sk and (not causal or (not has_positions and Sq > Sk))
+  big = max(padded_d, padded_dv) > 64
   cfg = _Config(
       causal=bool(causal), sm_scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
       block_q=chosen[0], block_k=chosen[1], block_q_bwd=chosen[2], block_k_bwd=chosen[3],
@@ -223,17 +291,18 @@ def _resolve(B, Sq, Sk, H, D, has_segments, has_positions=False, *, causal, sm_s
       has_positions=bool(has_positions and causal),
       skip_blocks=(has_segments or bool(has_positions and causal)) and bool(skip_empty_blocks),
       count_blocks=count_blocks, precision=_precision(precision),
-      num_warps=(4 if padded_d <= 64 else 8) if num_warps is None else num_warps,
-      num_warps_bwd=(4 if padded_d <= 64 else 8) if num_warps_bwd is None else num_warps_bwd,
-      num_stages=3 if num_stages is None else num_stages,
+      num_warps=(8 if big else 4) if num_warps is None else num_warps,
+      num_warps_bwd=(8 if big else 4) if num_warps_bwd is None else num_warps_bwd,
+      num_stages=(2 if backend == "mosaic" else 3) if num_stages is None else num_stages,
       num_stages_bwd=2 if num_stages_bwd is None else num_stages_bwd,
-      interpret=bool(interpret))
-  return cfg, padded_sq, padded_sk, padded_d
+      interpret=bool(interpret), backend=backend, fast_mma=bool(fast_mma),
+      compute_wgs=wgs[0], compute_wgs_bwd=wgs[1])
+  return cfg, padded_sq, padded_sk, padded_d, padded_dv
 
 
 def _prepare(q, k, v, segment_ids, positions, *, causal, sm_scale, blocks, num_warps,
              num_warps_bwd, num_stages, num_stages_bwd, interpret, precision,
-             skip_empty_blocks):
+             skip_empty_blocks, backend="triton", fast_mma=False):
   """Validated int32 ids and positions, and the (_Config, padded sizes) of a call."""
   q_seg, kv_seg = _split_segments(segment_ids)
   q_pos, kv_pos = _split_positions(positions)
@@ -242,6 +311,10 @@ def _prepare(q, k, v, segment_ids, positions, *, causal, sm_scale, blocks, num_w
                                                                          (tuple, list)))
   q_seg = _exact_segment_ids(q_seg, "q segment_ids")
   kv_seg = _exact_segment_ids(kv_seg, "kv segment_ids")
+  if backend == "mosaic" and q_seg is not None and q_seg.dtype != jnp.int32:
+    raise FlashAttentionError(
+        f"backend='mosaic' compares int32 segment ids, got {q_seg.dtype} (64-bit ids under "
+        "jax_enable_x64); relabel them per row to int32, or use backend='triton'.")
   if q_pos is not None and causal:  # [1, S]: the layout the kernels read them in
     q_pos, kv_pos = (jnp.asarray(x).astype(jnp.int32)[None] for x in (q_pos, kv_pos))
   else:
@@ -249,12 +322,14 @@ def _prepare(q, k, v, segment_ids, positions, *, causal, sm_scale, blocks, num_w
   B, Sq, H, D = q.shape
   if B == 0 or Sq == 0 or k.shape[1] == 0:
     return (q_seg, kv_seg, q_pos, kv_pos), None
-  cfg, padded_sq, padded_sk, padded_d = _resolve(
+  cfg, padded_sq, padded_sk, padded_d, padded_dv = _resolve(
       B, Sq, k.shape[1], H, D, q_seg is not None, q_pos is not None, causal=causal,
       sm_scale=sm_scale, blocks=blocks, num_warps=num_warps, num_warps_bwd=num_warps_bwd,
       num_stages=num_stages, num_stages_bwd=num_stages_bwd, interpret=interpret,
-      precision=precision, skip_empty_blocks=skip_empty_blocks)
-  sizes = dict(cfg=cfg, padded_sq=padded_sq, padded_sk=padded_sk, padded_head_dim=padded_d)
+      precision=precision, skip_empty_blocks=skip_empty_blocks, backend=backend,
+      fast_mma=fast_mma, Dv=v.shape[3], dtype=q.dtype)
+  sizes = dict(cfg=cfg, padded_sq=padded_sq, padded_sk=padded_sk,
+               padded_dims=(padded_d, padded_dv))
   return (q_seg, kv_seg, q_pos, kv_pos), sizes
 
 
@@ -262,7 +337,7 @@ def _options(options: dict) -> dict:
   """flash_attention_backward's **options as _prepare's keywords; unknown ones raise."""
   known = ("sm_scale", "block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps",
            "num_warps_bwd", "num_stages", "num_stages_bwd", "interpret", "precision",
-           "skip_empty_blocks")
+           "skip_empty_blocks", "backend", "fast_mma")
   unknown = sorted(set(options) - set(known))
   if unknown:
     raise FlashAttentionError(f"unknown options {unknown}; known: {', '.join(known)}")
@@ -273,4 +348,5 @@ def _options(options: dict) -> dict:
               num_stages=o["num_stages"], num_stages_bwd=o["num_stages_bwd"],
               interpret=o["interpret"], precision=o["precision"],
               skip_empty_blocks=True if o["skip_empty_blocks"] is None
-              else o["skip_empty_blocks"])
+              else o["skip_empty_blocks"], backend=o["backend"] or "triton",
+              fast_mma=bool(o["fast_mma"]))

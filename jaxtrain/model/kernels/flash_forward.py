@@ -11,17 +11,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels.flash_config import _Config
 from jaxtrain.model.kernels.flash_tiles import (_LOG2E, _MASKED, _dot, _dot_nt, _mask,
-                                                _q_block_index, _q_maps, _q_program_inputs,
-                                                _row_loops, _run_loops, _schedules, _split_refs)
+                                                _pallas_call, _q_block_index, _q_maps,
+                                                _q_program_inputs, _row_loops, _run_loops,
+                                                _schedules, _split_refs)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
   q_seg_ref, kv_seg_ref, (q_pos_ref, kv_pos_ref), schedule, (o_ref, lse_ref), count_ref = \
       _split_refs(refs, cfg)
-  block_q, head_dim = q_ref.shape
+  block_q = q_ref.shape[0]
+  v_head_dim = v_ref.shape[1]
   block_k = cfg.block_k
   num_k_blocks = k_ref.shape[0] // block_k
   q_blk = _q_block_index(pl.program_id(0), num_q_blocks, cfg.causal)
@@ -58,7 +59,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, cfg.precision)
     return acc, m_new, l
 
-  carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+  carry = (jnp.zeros((block_q, v_head_dim), jnp.float32),
            jnp.full((block_q,), _MASKED, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
   count = jnp.int32(0) if cfg.count_blocks else None
@@ -76,7 +77,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config, num_q_blocks: int):
 
 def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
   B, Sq, H, D = q.shape
-  Sk, K = k.shape[1], k.shape[2]
+  Sk, K, Dv = k.shape[1], k.shape[2], v.shape[3]
   group = H // K
   block_q = cfg.block_q
   num_q_blocks = Sq // block_q
@@ -84,7 +85,7 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
   in_specs = [
       pl.BlockSpec((None, block_q, None, D), maps.q),
       pl.BlockSpec((None, Sk, None, D), maps.kv),
-      pl.BlockSpec((None, Sk, None, D), maps.kv),
+      pl.BlockSpec((None, Sk, None, Dv), maps.kv),
   ]
   rows = None
   if cfg.skip_blocks:
@@ -93,25 +94,13 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
                                               q_pos, kv_pos, rows)
   in_specs += extra_specs
   args = [q, k, v, *extra_args]
-  out_specs = [
-      pl.BlockSpec((None, block_q, None, D), maps.q),
-      pl.BlockSpec((None, None, block_q), maps.row),
-  ]
-  out_shape = [
-      jax.ShapeDtypeStruct(q.shape, q.dtype),
-      jax.ShapeDtypeStruct((B, H, Sq), jnp.float32),
-  ]
-  if cfg.count_blocks:
-    out_specs.append(pl.BlockSpec((None, None, None), maps.row))
-    out_shape.append(jax.ShapeDtypeStruct((B, H, num_q_blocks), jnp.int32))
-  out, lse_BHS, *count = pl.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
-      grid=(num_q_blocks, B, H),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=triton_compiler_params(cfg.num_warps, cfg.num_stages),
-      interpret=cfg.interpret,
-      name="jaxtrain_flash_fwd",
-  )(*args)
-  return out, lse_BHS, (count[0] if count else None)
+  (out, lse_BHS), count = _pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg, num_q_blocks=num_q_blocks), cfg, args,
+      name="jaxtrain_flash_fwd", grid=(num_q_blocks, B, H), in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, block_q, None, Dv), maps.q),
+                 pl.BlockSpec((None, None, block_q), maps.row)],
+      out_shape=[jax.ShapeDtypeStruct((B, Sq, H, Dv), q.dtype),
+                 jax.ShapeDtypeStruct((B, H, Sq), jnp.float32)],
+      count_map=maps.row, count_shape=(B, H, num_q_blocks),
+      warps_stages=(cfg.num_warps, cfg.num_stages))
+  return out, lse_BHS, count

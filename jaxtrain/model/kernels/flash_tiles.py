@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxtrain.compat import triton_compiler_params
 from jaxtrain.model.kernels import block_map
 from jaxtrain.model.kernels.flash_config import _Config
 
@@ -175,3 +177,19 @@ def _schedules(cfg: _Config, q_seg, kv_seg, q_pos, kv_pos, block_q: int, block_k
   return block_map.schedules(jnp, q_seg, kv_seg, block_q, block_k, cfg.causal, batch=B,
                              q_pos_S=None if q_pos is None else q_pos[0],
                              kv_pos_S=None if kv_pos is None else kv_pos[0], seq=(Sq, Sk))
+
+
+
+def _pallas_call(kernel, cfg: _Config, args, *, name: str, grid, in_specs, out_specs, out_shape,
+                 count_map, count_shape, warps_stages):
+  """One flash kernel's pallas_call: (its outputs, its debug tile counts or None). With
+  cfg.count_blocks the kernel also writes, through `count_map`, an int32 `count_shape`
+  array of the tiles each program computed."""
+  if cfg.count_blocks:
+    out_specs = [*out_specs, pl.BlockSpec((None, None, None), count_map)]
+    out_shape = [*out_shape, jax.ShapeDtypeStruct(count_shape, jnp.int32)]
+  outs = pl.pallas_call(
+      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=triton_compiler_params(*warps_stages), interpret=cfg.interpret,
+      name=name)(*args)
+  return (outs[:-1], outs[-1]) if cfg.count_blocks else (outs, None)

@@ -95,8 +95,8 @@ def _launch(body, name: str, out_shape, dtype, tiles: Tiles, *operands):
   body.__name__ = name  # the kernel's name in the compiled program and Mosaic's dumps
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct(out_shape, dtype), grid=(tiles.num_sms,),
-      grid_names=("sm",), compiler_params=compat.mosaic_gpu_compiler_params(),
-      interpret=compat.mosaic_gpu_interpret_params() if tiles.interpret else None)
+      grid_names=("sm",), compiler_params=compat.mosaic_compiler_params(plgpu),
+      interpret=compat.mosaic_interpret_params() if tiles.interpret else None)
   return kernel(*operands)
 
 
