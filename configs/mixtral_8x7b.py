@@ -9,8 +9,9 @@ layout (`python -m jaxtrain.plan --config configs/mixtral_8x7b.py --devices 64 -
 the configured row) 39-57% MFU at 70.8 of 72 GiB (Megatron reports 42%); without moe_act the
 stash needs 88.6 GiB and does not fit. Its all-to-all moves 30.1 GB per device per step over
 NVLink (the 8 expert ranks sit in one node). The planner's own pick is tensor 1, stage 2 x 8
-virtual, expert 8, no recompute: 43-65% at 69.9 GiB, closer to the budget. Counted by the
-ledger only so far: training it needs the executors' expert dispatch.
+virtual, expert 8, no recompute: 43-65% at 69.9 GiB, closer to the budget. The executors
+train this layout's parts (expert parallelism, stages, ZeRO-1) on CPU at tiny sizes
+(configs/tiny_moe.py, tests/test_expert_parallel.py); not yet compiled whole for 64 H100s.
 """
 from jaxtrain.config import Config, ModelConfig, MoeConfig, TrainConfig
 

@@ -24,8 +24,9 @@ Each rule lives once; check applies them all, in this order:
   table and the device's memories (offload), so remat.py keeps it and check imports it when it
   runs; importing this module loads no jax.
 - here: FP8 against the layout (every FP8 GEMM, whole and per tensor shard, a multiple of
-  FP8_ALIGN; the FP8/bf16 layer ranges vs uniform remat groups); and, for now, model.moe
-  refused (the MoE model exists; the executors, the ledger and expert parallelism do not).
+  FP8_ALIGN; the FP8/bf16 layer ranges vs uniform remat groups); parallel.expert against the
+  resolved data degree it is carved out of (check_expert; its device-free rules, the expert
+  count and the need for an MoE layer, also run in validate).
 
 What needs the mesh's devices or arrays stays where it is: ring attention under stages on
 XLA:CPU (context_attention.check_backend, in setup.build), cudnn and the Pallas kernel's shapes
@@ -37,7 +38,7 @@ run take virtual stages as interleaved whatever parallel.schedule says).
 from __future__ import annotations
 
 from jaxtrain import xla_flags
-from jaxtrain.config import FP8_ALIGN, Config, ConfigError, validate
+from jaxtrain.config import FP8_ALIGN, Config, ConfigError, check_expert, validate
 from jaxtrain.ledger.flops import projection_sizes
 from jaxtrain.ledger.layout import Layout, layers_per_chunk, layout_from_config
 
@@ -50,12 +51,14 @@ def check(cfg: Config, n_devices: int) -> Layout:
     """Raise a ConfigError naming the keys to change unless `cfg` runs on `n_devices`
     devices; the layout it runs as."""
     validate(cfg)
-    if cfg.model.moe is not None:   # until the executors, the ledger and `expert` exist
-        raise ConfigError("model.moe: the train step, the pipeline executor and the ledger do "
-                          "not run mixture-of-experts layers yet (issue 26's executor half); "
-                          "the model runs them (jaxtrain.model.llama.Llama); unset model.moe "
-                          "to train")
     layout = layout_from_config(cfg, n_devices)
+    check_expert(cfg.model, cfg.parallel, layout.data)
+    moe = cfg.model.moe
+    if layout.stage > 1 and moe is not None and not all(cfg.model.moe_layers):
+        raise ConfigError(f"parallel.stage={layout.stage} with dense layers among the MoE ones "
+                          f"(model.moe.first_k_dense={moe.first_k_dense}, layer_freq="
+                          f"{moe.layer_freq}): the pipeline's chunks run one kind of layer; "
+                          "make every layer MoE (first_k_dense=0, layer_freq=1) or stage=1")
     xla_flags.parse(cfg.train.xla_flags)
     from jaxtrain.parallel import remat
     remat.validate(cfg.remat, layers_per_chunk(cfg, layout.stage, layout.virtual_stages))

@@ -189,6 +189,11 @@ def _format_line(r: dict, peak_note: str) -> str:
                   f"{r['tokens_per_sec_per_device']:,.0f} tok/s/dev",
                   f"{r['step_time_s'] * 1e3:.1f} ms/step",
                   f"MFU {100 * r['mfu']:.2f}% HFU {100 * r['hfu']:.2f}%{peak_note}"]
+    if "moe_aux_loss" in r:   # the MoE layers' (model/moe.py means): losses, load, drops
+        parts.append(f"moe aux {r['moe_aux_loss']:.4f} lb {r['moe_load_balancing_loss']:.3f} "
+                     f"z {r['moe_z_loss']:.3f} load {r['moe_load_min']:.2f}-"
+                     f"{r['moe_load_max']:.2f} cv {r['moe_load_cv']:.2f} dropped "
+                     f"{100 * r['moe_dropped_fraction']:.1f}%")
     if r.get("memory_gb") is not None:
         parts.append(f"mem {r['memory_gb']:.2f} GiB")
     return " | ".join(parts)

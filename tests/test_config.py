@@ -88,10 +88,30 @@ def test_moe_section_is_created_by_overrides_and_round_trips():
     assert load_config("configs/tiny.py").model.moe_layers == (False,) * 4
 
 
-def test_training_an_moe_model_is_refused_before_anything_is_built():
+@pytest.mark.parametrize("overrides, message", [
+    ([MOE, "--parallel.expert=3"], "num_experts=8 is not divisible by parallel.expert=3"),
+    (["--parallel.expert=2"], "parallel.expert=2 but the model has no MoE layer"),
+    ([MOE, "--parallel.expert=4", "--parallel.tensor=4"],
+     "expert=4 does not divide data=2 .the expert ranks are carved out"),
+    ([MOE, "--parallel.expert=2", "--parallel.data=4", "--parallel.tensor=4"],
+     "needs 16 devices but there are 8"),
+    ([MOE, "--parallel.expert=0"], "parallel.expert=0 must be >= 1"),
+    ([MOE, "--parallel.stage=2", "--model.moe.layer_freq=2"],
+     "parallel.stage=2 with dense layers among the MoE ones"),
+    ([MOE, "--parallel.expert=2", "--model.moe.dispatch=capacity",
+      "--model.moe.pad_to_capacity=true"], "pad_to_capacity=true with parallel.expert=2"),
+])
+def test_bad_expert_layouts_are_one_line_errors_before_anything_is_built(overrides, message):
     from jaxtrain import config_check
-    with pytest.raises(ConfigError, match="do not run mixture-of-experts layers yet"):
-        config_check.check(load_config("configs/tiny.py", [MOE]), 1)
+    with pytest.raises(ConfigError, match=message) as err:
+        config_check.check(load_config("configs/tiny.py", overrides), 8)
+    assert "\n" not in str(err.value)
+
+
+def test_an_moe_model_passes_the_checks_on_an_expert_layout():
+    from jaxtrain import config_check
+    cfg = load_config("configs/tiny.py", [MOE, "--parallel.expert=4", "--parallel.tensor=2"])
+    assert config_check.check(cfg, 8).data == 4
 
 
 def test_missing_recipe_file():

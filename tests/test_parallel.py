@@ -1,8 +1,5 @@
 """Every parallel layout computes what one device computes (fp32, 2 steps)."""
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -13,7 +10,7 @@ from jaxtrain.executors import setup as setup_lib
 from jaxtrain.parallel import sharding
 from jaxtrain.config import load_config
 from jaxtrain.ledger.layout import LayoutError
-from util import logged_losses, random_batch, tiny_config
+from util import logged_losses, random_batch, tiny_config, train_on_one_device
 
 LAYOUTS = {
     "data8": ["--parallel.data=8"],
@@ -103,12 +100,7 @@ def test_trainer_from_one_seed_gives_one_model_on_any_layout(tmp_path):
     same seed, train the same model: the layout changes neither the initial weights nor the
     losses."""
     one = tmp_path / "one_device"
-    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
-        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1")}
-    out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.py", *TRAIN_ARGS,
-                          "--parallel.data=1", f"--train.workdir={one}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    train_on_one_device("configs/tiny.py", TRAIN_ARGS, one)
     layout = tmp_path / "layout"
     trainer.train(load_config(ROOT / "configs/tiny.py", [
         *TRAIN_ARGS, "--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",

@@ -9,8 +9,8 @@ from flax import nnx
 from jaxtrain.config import Config, ModelConfig, TrainConfig, DataConfig, apply_overrides
 from jaxtrain.data import synthetic_batch as random_batch
 
-__all__ = ["tiny_config", "random_batch", "random_params", "metric_records", "logged_losses",
-           "check_breakdown_sums", "decisive_hf_weights", "random_model_params",
+__all__ = ["tiny_config", "TINY_MOE", "tiny_moe_config", "random_batch", "random_params", "metric_records", "logged_losses",
+           "check_breakdown_sums", "decisive_hf_weights", "train_on_one_device", "random_model_params",
            "bpe_tokenizer"]
 
 
@@ -24,6 +24,19 @@ def tiny_config(*overrides, workdir="runs/test") -> Config:
     )
     apply_overrides(cfg, overrides)
     return cfg.validate()
+
+
+# The smallest MoE model that shows expert parallelism: 8 experts (expert degrees 2, 4, 8
+# divide them), top-2, a small expert MLP, the z-loss on; the load-balancing loss off, as it
+# is a per-replica statistic (Megatron's): with it a data-parallel layout is not the one
+# device's computation.
+TINY_MOE = ("--model.moe.num_experts=8", "--model.moe.top_k=2", "--model.moe.mlp_size=32",
+            "--model.moe.aux_loss_coeff=0", "--model.moe.z_loss_coeff=1e-2")
+
+
+def tiny_moe_config(*overrides, workdir="runs/test") -> Config:
+    """tiny_config with every layer an MoE layer (TINY_MOE), then `overrides`."""
+    return tiny_config(*TINY_MOE, *overrides, workdir=workdir)
 
 
 def random_params(setup):
@@ -50,6 +63,22 @@ def random_model_params(cfg: ModelConfig, seed=0):
         std = 1.0 if jax.tree_util.keystr(path) == "['embed']" else cfg.hidden_size ** -0.5
         return (std * rng.standard_normal(s.shape)).astype(np.float32)
     return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def train_on_one_device(config: str, args, workdir) -> str:
+    """`python train.py --config CONFIG ARGS --parallel.data=1` on one (fake CPU) device with
+    `workdir`, from the repository root; its stdout (the run must succeed)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
+        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1")}
+    out = subprocess.run([sys.executable, "train.py", "--config", config, *args,
+                          "--parallel.data=1", f"--train.workdir={workdir}"],
+                         cwd=pathlib.Path(__file__).resolve().parents[1], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def metric_records(workdir: pathlib.Path) -> list[dict]:

@@ -199,6 +199,25 @@ def check_moe(m: ModelConfig, fp8_enabled: bool = False) -> None:
            "no FP8 path yet (per-expert scaling); turn fp8 off for MoE models")
 
 
+def check_expert(m: ModelConfig, p: ParallelConfig, data: int = 0) -> None:
+    """parallel.expert against the model and, once resolved (`data` > 0), the data degree
+    it is carved out of."""
+    _check(p.expert >= 1, f"parallel.expert={p.expert} must be >= 1 (1: no expert parallelism)")
+    if p.expert == 1:
+        return
+    _check(m.moe is not None, f"parallel.expert={p.expert} but the model has no MoE layer "
+           "(model.moe unset); set model.moe or parallel.expert=1")
+    _check(m.moe.num_experts % p.expert == 0, f"model.moe.num_experts={m.moe.num_experts} is "
+           f"not divisible by parallel.expert={p.expert}; each expert rank holds an equal "
+           "share of the experts, so pick a divisor")
+    _check(data <= 0 or data % p.expert == 0, f"parallel.expert={p.expert} does not divide "
+           f"parallel.data={data}: the expert ranks are carved out of the data-parallel ranks "
+           "(Megatron's expert-model-parallel); make parallel.data a multiple of it")
+    _check(not m.moe.pad_to_capacity, f"model.moe.pad_to_capacity=true with parallel.expert="
+           f"{p.expert}: the expert-parallel dispatch sends the kept rows (the same output, no "
+           "padding); set model.moe.pad_to_capacity=false")
+
+
 def validate(cfg: Config) -> None:
     """The rules that need no devices (config_check.check(cfg, n_devices) adds the rest)."""
     m, p, t, f = cfg.model, cfg.parallel, cfg.train, cfg.fp8
@@ -207,6 +226,7 @@ def validate(cfg: Config) -> None:
         _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
     check_gqa(m)
     check_moe(m, cfg.fp8.enabled)
+    check_expert(m, p, p.data)
     _check(m.head_dim > 0 or m.hidden_size % m.num_heads == 0,
            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
            "set model.head_dim explicitly")

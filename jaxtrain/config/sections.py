@@ -136,9 +136,9 @@ class ParallelConfig(_Section):
     first_stage_layers: int = 0  # 0: an even split (Megatron decoder-first-pipeline-num-layers)
     last_stage_layers: int = 0
     zero1: bool = False
-    # Expert parallelism (Megatron's --expert-model-parallel-size): the MoE experts sharded over
-    # `expert` ranks carved out of the data-parallel ones (attention and dense weights keep
-    # full data parallelism); it must divide data and model.moe.num_experts.
+    # Expert parallelism (Megatron's --expert-model-parallel-size): carved out of the
+    # data-parallel ranks (`data`), which it must divide; the experts are split over it, every
+    # other weight stays data-parallel over all of `data` (docs/design.md §8).
     expert: int = 1
 
 

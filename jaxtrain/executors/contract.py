@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.model import loss as loss_lib
+from jaxtrain.model import moe
 from jaxtrain.model.loss import LossSums
 
 
@@ -22,6 +24,18 @@ class Sums(NamedTuple):
     losses: LossSums   # loss, tokens and aux, summed
     grads: Any         # fp32 gradient sums of the objective, in the compute params' layout
     fp8: Any           # FP8 observations (the converter's to turn into the next metas)
+
+
+def model_loss(output, mb) -> tuple[jax.Array, LossSums]:
+    """(objective, LossSums) of the model's output on microbatch `mb`: the token loss, and
+    with MoE layers (output = (logits, MoeStats)) their statistics as the aux Means. The
+    objective is the cross entropy alone: the layers' auxiliary terms reach the gradients
+    through moe.attach_loss."""
+    logits, stats = output if isinstance(output, tuple) else (output, None)
+    objective, sums = loss_lib.token_loss(logits, mb["targets"], mb["loss_mask"])
+    if stats is not None:
+        sums = sums.replace(aux=moe.means(stats, sums.tokens))
+    return objective, sums
 
 
 class Normalised(NamedTuple):

@@ -56,7 +56,9 @@ from jaxtrain.executors.setup import Setup, split_microbatches
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import loss as loss_lib
+from jaxtrain.model import moe as moe_lib
 from jaxtrain.parallel import pipeline as pl
+from jaxtrain.parallel import sharding
 
 __all__ = ["PipelineModel", "build", "grad_sums", "eval_sums"]
 
@@ -81,6 +83,26 @@ class PipelineModel:
     def mesh(self):
         return self.setup.mesh
 
+    @property
+    def moe(self) -> bool:
+        """Every layer an MoE layer (config_check refuses mixed stacks under stages)."""
+        return self.setup.model_cfg.moe is not None
+
+    def expert_dims(self, chunks):
+        """Per leaf of (chunks, modes): its experts' dim in the chunk layout [p, v, Lc, ...]
+        (the layer-stacked dim 0 becomes three), or None."""
+        dims = [None if d is None else d + 2 for d in (
+            sharding.expert_dim(n) for n in jax.tree.leaves(
+                self.setup.logical["blocks"], is_leaf=lambda x: isinstance(x, P)))]
+        return jax.tree.unflatten(jax.tree.structure(chunks), dims), None
+
+    def _with_stats(self, sums):
+        """The head's LossSums, with the chunks' MoeStats (summed over every F) as its aux."""
+        if not self.moe:
+            return sums
+        losses, stats = sums
+        return losses.replace(aux=moe_lib.means(stats, losses.tokens))
+
     def layer_modes(self, use_fp8: bool) -> np.ndarray:
         """[L] what each layer runs as: FP8 in the converter's FP8 spans when use_fp8, else
         PLAIN."""
@@ -103,9 +125,15 @@ class PipelineModel:
         segment_ids_BS = chunk_aux["segment_ids"]
 
         def block(s, x, fp8):
-            return self.block_apply(s, x, cos, sin, segment_ids_BS, fp8)
+            if not self.moe:
+                return self.block_apply(s, x, cos, sin, segment_ids_BS, fp8)
+            # MoE layers carry (x, MoeStats): the chunk returns both, the executor sums
+            # the stats over each rank's F ops (side sums)
+            y, stats = self.block_apply(s, x[0], cos, sin, segment_ids_BS, fp8)
+            return y, x[1] + stats
+        carry = (x_BSD, moe_lib.MoeStats.zeros()) if self.moe else x_BSD
         if mode is not None:
-            return self.setup.ops.run_layers(lambda sm, x: block(sm[0], x, mode == FP8), x_BSD,
+            return self.setup.ops.run_layers(lambda sm, x: block(sm[0], x, mode == FP8), carry,
                                              chunk)
 
         def any_mode(sm, x):
@@ -115,7 +143,7 @@ class PipelineModel:
             branches = [lambda: x] + [lambda f=f: block(s, x, f)
                                       for f in self.setup.fp8.layer_kinds()]
             return jax.lax.switch(m.astype(jnp.int32), branches)
-        return self.setup.ops.run_layers(any_mode, x_BSD, chunk)
+        return self.setup.ops.run_layers(any_mode, carry, chunk)
 
     def head_params_of(self, edge_row):
         """The final norm and the head of rank p-1's edge row (its table is the lm_head's
@@ -186,18 +214,20 @@ class PipelineModel:
         fp8 = self.setup.fp8
         losses, (d_chunks, d_edge), _ = pl.pipelined_value_and_grad(
             *args, schedule=self.schedule, mesh=self.mesh,
-            combine=pl.GradCombine(fp8.add_at, fp8.reduce))
+            combine=pl.GradCombine(fp8.add_at, fp8.reduce),
+            expert_dims=self.expert_dims(args[1][0]))
         f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
         # the glue is linear: its transpose at any point (XLA drops the unused forward)
         _, transpose = jax.vjp(self.split_params, f32(params), f32(metas))
         d_params, observations = transpose((d_chunks[0], d_edge))
-        return Sums(losses, d_params, observations)
+        return Sums(self._with_stats(losses), d_params, observations)
 
     def loss_sums(self, params, batch, fp8_meta=None, *, bubble_fill: float = 0.0):
         """LossSums over microbatches and replicas, from the forward ops only."""
         args, _ = self._executor_args(params, batch, fp8_meta)
-        return pl.pipelined_forward(*args, schedule=self.schedule, mesh=self.mesh,
-                                    bubble_fill=bubble_fill)
+        return self._with_stats(pl.pipelined_forward(
+            *args, schedule=self.schedule, mesh=self.mesh, bubble_fill=bubble_fill,
+            expert_dims=self.expert_dims(args[1][0])))
 
 
 def build(setup: Setup) -> PipelineModel:

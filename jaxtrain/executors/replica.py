@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.executors.contract import Sums
+from jaxtrain.executors.contract import Sums, model_loss
 from jaxtrain.executors.setup import Setup, split_microbatches
 from jaxtrain.model import loss as loss_lib
 from jaxtrain.parallel import grad_accumulation, sharding
+from jaxtrain.parallel.mesh_axes import EXPERT
 
 
 def microbatched(fn: Callable, num_microbatches: int, zeros: Callable, add: Callable,
@@ -50,12 +51,11 @@ def loss_sums(setup: Setup, params, mb, fp8_meta=None):
     """(objective, LossSums) of one microbatch on one replica. Without `fp8_meta` every layer
     runs in the compute dtype (Fp8Converter.for_run)."""
     metas, use_fp8 = setup.fp8.for_run(fp8_meta, setup.meta_shapes)
-    logits = setup.bind(params, metas)(mb["inputs"], mb["positions"], mb["segment_ids"],
-                                       use_fp8=use_fp8)
-    return loss_lib.token_loss(logits, mb["targets"], mb["loss_mask"])
+    return model_loss(setup.bind(params, metas)(mb["inputs"], mb["positions"],
+                                                mb["segment_ids"], use_fp8=use_fp8), mb)
 
 
-def per_replica(setup: Setup, fn):
+def per_replica(setup: Setup, fn, grads_out: bool = False):
     """`fn(params, meta, rows) -> outputs` run once per data replica on its rows of the batch:
     a shard_map with `data` manual (every other axis stays automatic), each output stacked on
     a new leading dim over `data`. The caller reduces that dim once, after everything the
@@ -64,7 +64,12 @@ def per_replica(setup: Setup, fn):
     manual too: each (data, context) replica runs the model on its part of the sequence (the
     attention moves K/V over `context` itself, sharded_kernels.ShardedAttention) and keeps its
     own partial gradient sums, reduced with the data-parallel ones (Megatron's CP ranks are
-    part of the data-parallel group), not in every layer of every microbatch.
+    part of the data-parallel group), not in every layer of every microbatch. Under expert
+    parallelism `expert` is manual as well: its ranks are data-parallel replicas for every
+    weight but the experts', which enter split over `expert` (each rank its own experts: the
+    MoE dispatch's all-to-alls bring the tokens to them) and whose gradients (`grads_out`:
+    fn returns Sums) are stacked over the other replica axes only, so they are reduced over
+    those alone.
 
     Untyped (check_vma=False), as the executor reduces by itself: a gradient w.r.t. the
     replicated params is this replica's part, never psum'd by autodiff, and an opaque kernel
@@ -76,9 +81,28 @@ def per_replica(setup: Setup, fn):
     if not manual:
         return body
     rows = sharding.replica_rows_spec(mesh)
-    stacked = P(manual[0] if len(manual) == 1 else manual)
-    return jax.shard_map(body, mesh=mesh, axis_names=set(manual), in_specs=(P(), P(), rows),
-                         out_specs=stacked, check_vma=False)
+    stacked = P(sharding.one_or_tuple(manual))
+    out_specs = stacked
+    if grads_out:
+        out_specs = Sums(stacked, _param_specs(setup, manual, stacked=True), stacked)
+    return jax.shard_map(body, mesh=mesh, axis_names=set(manual),
+                         in_specs=(_param_specs(setup, manual), P(), rows),
+                         out_specs=out_specs, check_vma=False)
+
+
+def _param_specs(setup: Setup, manual: tuple, stacked: bool = False):
+    """shard_map specs of a params-shaped tree: replicated, except the experts' dim of expert
+    weights when `expert` is manual; `stacked`: after a leading dim stacked over the manual
+    axes (the experts' over those but `expert`)."""
+    rest = tuple(a for a in manual if a != EXPERT)
+
+    def one(names):
+        dim = sharding.expert_dim(names) if EXPERT in manual else None
+        if dim is None:
+            return P(sharding.one_or_tuple(manual)) if stacked else P()
+        lead = (sharding.one_or_tuple(rest),) if stacked else ()
+        return P(*lead, *(None,) * dim, EXPERT)
+    return jax.tree.map(one, setup.logical, is_leaf=lambda x: isinstance(x, P))
 
 
 def _accumulator(setup: Setup):
@@ -146,7 +170,7 @@ def grad_sums(setup: Setup, *, fuse: bool = True):
     zeros, add = _accumulator(setup)
     fused = _fused_microbatch(setup, add) if fuse and fuses(setup.cfg) else None
     run = per_replica(setup, microbatched(microbatch, setup.cfg.parallel.microbatches, zeros,
-                                          add, add_into=fused))
+                                          add, add_into=fused), grads_out=True)
 
     def fn(params, batch, fp8_meta) -> Sums:
         # The one data-parallel reduction of the step.

@@ -26,8 +26,8 @@ from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model.fp8 import Fp8Converter
-from jaxtrain.parallel import (context_attention, grad_accumulation, layer_order, remat,
-                              sharded_kernels, sharding)
+from jaxtrain.parallel import (context_attention, expert_dispatch, grad_accumulation,
+                               layer_order, remat, sharded_kernels, sharding)
 from jaxtrain.parallel.layer_order import LayerOrder
 from jaxtrain.parallel.pipeline import chunk_layer_counts
 from jaxtrain.train_state import TrainState
@@ -113,7 +113,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                          run_layers=grad_accumulation.accumulating(remat.layer_runner(cfg.remat)),
                          fp8=Fp8Converter.of(cfg.fp8),
                          span_runner=lambda start, stop: grad_accumulation.accumulating(
-                             spans(start, stop), start))
+                             spans(start, stop), start),
+                         dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh)))
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:

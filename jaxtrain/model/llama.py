@@ -59,7 +59,9 @@ class Ops:
     runs as several layer ranges (FP8 with bf16 first/last layers), `span_runner(start, stop)`
     gives the runner of layers [start, stop) (default: `run_layers` for every range).
     `grouped_dot(x_ND, w_EDF, group_sizes_E) -> y_NF` is the MoE experts' grouped GEMM
-    (lax.ragged_dot's contract; on Hopper kernels.grouped_matmul). `fp8` says which
+    (lax.ragged_dot's contract; on Hopper kernels.grouped_matmul); `dispatch` brings the
+    tokens to the experts and back (moe.local_dispatch's contract; expert parallelism puts
+    its all-to-alls there). `fp8` says which
     projections run in FP8 and owns their metas (default: FP8 off).
     """
     dot_general: DotGeneral = jax.lax.dot_general
@@ -70,6 +72,7 @@ class Ops:
     fp8: Fp8Converter = Fp8Converter()
     span_runner: Optional[Callable[[int, int], Callable]] = None
     grouped_dot: Callable = moe_lib.ragged_dot
+    dispatch: Callable = moe_lib.local_dispatch
 
 
 def _real_vocab_rows(init, real_vocab: int, axis: int):

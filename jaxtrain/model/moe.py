@@ -42,6 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.model.layers import normal, param, swiglu
+from jaxtrain.model.loss import Mean
 
 # Remat tags of the MoE layer (Megatron's recompute vocabulary: moe_act, moe, shared_experts;
 # remat.MODULES maps those onto these): the router's choices, the experts' in-projections
@@ -162,16 +163,21 @@ def layer_stats(routing: Routing, e: MoeConfig, dropped) -> MoeStats:
         dropped=jnp.asarray(dropped, F32), routed=one * (t * e.top_k))
 
 
+def means(stats: MoeStats, tokens) -> dict[str, Mean]:
+    """What a step logs, as Means the executors add up (LossSums.aux): the aux term in the
+    loss's units (over the loss's token count, as the executors divide the summed loss), the
+    raw losses and loads averaged over layer passes, the fraction of assignments dropped."""
+    per_layer = lambda total: Mean(total, stats.layers)  # noqa: E731
+    return {"moe_aux_loss": Mean(stats.loss, jnp.asarray(tokens, F32)),
+            "moe_load_balancing_loss": per_layer(stats.load_balancing_loss),
+            "moe_z_loss": per_layer(stats.z_loss), "moe_load_max": per_layer(stats.load_max),
+            "moe_load_min": per_layer(stats.load_min), "moe_load_cv": per_layer(stats.load_cv),
+            "moe_dropped_fraction": Mean(stats.dropped, stats.routed)}
+
+
 def summary(stats: MoeStats, tokens) -> dict:
-    """What a step logs: the aux term in the loss's units (divided by the loss's token count,
-    as the executors divide the summed loss), the raw losses and loads averaged over layer
-    passes, and the fraction of assignments dropped."""
-    layers = jnp.maximum(stats.layers, 1.0)
-    return {"moe_aux_loss": stats.loss / tokens,
-            "moe_load_balancing_loss": stats.load_balancing_loss / layers,
-            "moe_z_loss": stats.z_loss / layers, "moe_load_max": stats.load_max / layers,
-            "moe_load_min": stats.load_min / layers, "moe_load_cv": stats.load_cv / layers,
-            "moe_dropped_fraction": stats.dropped / jnp.maximum(stats.routed, 1.0)}
+    """The logged values of `means`."""
+    return {name: mean.value for name, mean in means(stats, tokens).items()}
 
 
 # ----------------------------------------------------------------------------- capacity
@@ -247,6 +253,14 @@ def _batched(x_ECD, w_EDF):
     return jnp.einsum("ecd,edf->ecf", x_ECD, w_EDF)
 
 
+def local_dispatch(x_TD, experts_TK, weights_TK, keep_TK, num_experts: int, experts_fn):
+    """The default Ops.dispatch (every expert here): permute, `experts_fn(x_ND,
+    group_sizes_E)` on the rows sorted by expert, unpermute. Expert parallelism's
+    (parallel/expert_dispatch.py) has the same contract and puts its all-to-alls between."""
+    x_ND, perm = permute(x_TD, experts_TK, num_experts, keep_TK)
+    return unpermute(experts_fn(x_ND, perm.group_sizes_E), perm.order_N, weights_TK)
+
+
 def unpermute(y_ND, order_N, weights_TK):
     """[T, D] fp32: each token's K expert outputs (rows of the sorted buffer) weighted and
     summed (a dropped assignment's weight must be zero)."""
@@ -301,11 +315,12 @@ class MoeLayer(nnx.Module):
             x_ECD = to_capacity(x_TD, experts_TK, slot_TK, keep_TK, e.num_experts, cap)
             y_ECD = expert_swiglu(x_ECD, *weights, _batched)
             y_TD = from_capacity(y_ECD, experts_TK, slot_TK, weights_TK)
-        else:   # dropless, or the kept rows sorted the same way
-            x_ND, perm = permute(x_TD, experts_TK, e.num_experts, keep_TK)
-            y_ND = expert_swiglu(x_ND, *weights, lambda x, w: self.ops.grouped_dot(
-                x, w, perm.group_sizes_E))
-            y_TD = unpermute(y_ND, perm.order_N, weights_TK)
+        else:   # dropless, or the kept rows sorted the same way (weights: this rank's experts)
+            def experts_fn(x_ND, group_sizes):
+                return expert_swiglu(x_ND, *weights, lambda x, w: self.ops.grouped_dot(
+                    x, w, group_sizes))
+            y_TD = self.ops.dispatch(x_TD, experts_TK, weights_TK, keep_TK, e.num_experts,
+                                     experts_fn)
         y_BSD = y_TD.reshape(b, s, d).astype(self.compute_dtype)
         if self.shared is not None:
             y_BSD = y_BSD + checkpoint_name(self.shared(x_BSD), "shared_experts")

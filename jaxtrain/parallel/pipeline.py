@@ -42,9 +42,11 @@ import numpy as np
 
 from jaxtrain.ledger.pipeline_schedule import Schedule, ScheduleError, build_schedule
 from jaxtrain.parallel import pipeline_executor as ex
+from jaxtrain.parallel import pipeline_specs as specs
 from jaxtrain.parallel.layer_order import LayerOrder
 from jaxtrain.parallel.pipeline_executor import (DATA_AXIS, STAGE_AXIS, SUM, Fns, GradCombine,
-                                                 PipelineError, manual_axes)
+                                                 PipelineError)
+from jaxtrain.parallel.pipeline_specs import manual_axes
 
 __all__ = ["PipelineError", "ScheduleError", "STAGE_AXIS", "DATA_AXIS", "build_schedule",
            "Schedule", "Fns", "pipelined_value_and_grad", "pipelined_forward", "stack_stages",
@@ -115,7 +117,9 @@ def _check(schedule: Schedule, mesh, chunk_params, edge_params, inputs, aux, chu
         if a.shape[:1] != (p,):
             raise PipelineError(f"edge param {jax.tree_util.keystr(path)} has shape {a.shape}; "
                                 f"it needs a leading dim [stages={p}] (rank r's row is its own)")
-    n_data = mesh.shape.get(DATA_AXIS, 1)
+    replicas = specs.replica_axes(mesh)
+    n_data = int(np.prod([mesh.shape[a] for a in replicas]))
+    over = " x ".join(f"{a}={mesh.shape[a]}" for a in replicas)
     for what, tree in (("inputs", inputs), ("aux", aux), ("chunk_aux", chunk_aux)):
         for path, a in jax.tree_util.tree_leaves_with_path(tree):
             name = what + jax.tree_util.keystr(path)
@@ -125,14 +129,14 @@ def _check(schedule: Schedule, mesh, chunk_params, edge_params, inputs, aux, chu
             if a.ndim >= 2 and a.shape[1] % n_data:
                 raise PipelineError(
                     f"{name} has shape {a.shape}: its batch dim {a.shape[1]} does not split over "
-                    f"{DATA_AXIS}={n_data} replicas; use a microbatch size divisible by "
-                    f"{n_data}")
+                    f"{over} replicas; use a microbatch size divisible by {n_data}")
 
 
 # ----------------------------------------------------------------------------- public API
 def pipelined_value_and_grad(fns: Fns, chunk_params: Any, edge_params: Any, inputs: Any,
                              aux: Any, chunk_aux: Any, *, schedule: Schedule, mesh,
-                             combine: GradCombine = SUM, bubble_fill: float = 0.0):
+                             combine: GradCombine = SUM, bubble_fill: float = 0.0,
+                             expert_dims: Any = None):
     """Run the schedule's F and B ops once: (sums, (d_chunk_params, d_edge_params), stats).
 
     `fns.chunk(chunk_params[r, j], x, chunk_aux[k]) -> x`, `fns.embed(edge row, inputs[k]) ->
@@ -146,12 +150,13 @@ def pipelined_value_and_grad(fns: Fns, chunk_params: Any, edge_params: Any, inpu
     int32[p]}: the residual sets each rank held at once, measured in the loop (<=
     schedule.stash_slots). The functions must not close over values being differentiated.
     `bubble_fill` is what empty buffers and idle sends hold; tests set NaN to show it never
-    reaches a result.
+    reaches a result. A chunk may return (x, side sums): `sums` is then (the heads', the
+    chunks' over every F). `expert_dims` (executor.execute): the experts' dims of chunk leaves.
     """
     _check(schedule, mesh, chunk_params, edge_params, inputs, aux, chunk_aux)
     sums, d_chunk, d_edge, peak = ex.execute(
         fns, chunk_params, edge_params, inputs, aux, chunk_aux, schedule=schedule, mesh=mesh,
-        backward=True, fill=bubble_fill, combine=combine)
+        backward=True, fill=bubble_fill, combine=combine, expert_dims=expert_dims)
     # the one data-parallel reduction of the step (a reduce-scatter where the caller's
     # sharding of the gradients splits them over `data`, as ZeRO-1 does)
     d_chunk = combine.reduce(d_chunk, 0)
@@ -161,9 +166,10 @@ def pipelined_value_and_grad(fns: Fns, chunk_params: Any, edge_params: Any, inpu
 
 def pipelined_forward(fns: Fns, chunk_params: Any, edge_params: Any, inputs: Any, aux: Any,
                       chunk_aux: Any, *, schedule: Schedule, mesh,
-                      bubble_fill: float = 0.0) -> Any:
+                      bubble_fill: float = 0.0, expert_dims: Any = None) -> Any:
     """The heads' sums over microbatches and data replicas from the forward ops only
     (evaluation); the arguments are pipelined_value_and_grad's."""
     _check(schedule, mesh, chunk_params, edge_params, inputs, aux, chunk_aux)
     return ex.execute(fns, chunk_params, edge_params, inputs, aux, chunk_aux,
-                      schedule=schedule, mesh=mesh, backward=False, fill=bubble_fill)[0]
+                      schedule=schedule, mesh=mesh, backward=False, fill=bubble_fill,
+                      expert_dims=expert_dims)[0]

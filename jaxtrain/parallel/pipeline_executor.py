@@ -18,7 +18,11 @@ activation right and one cotangent left (ppermute over `stage`):
 
 The head returns (objective, sums): the scalar the backward differentiates and a pytree of
 scalars (the model's loss as sums, jaxtrain.model.loss) the executor adds up over microbatches
-and replicas without knowing what they are.
+and replicas without knowing what they are. A chunk may return (x, side sums) (an MoE layer's
+statistics): each rank adds them up over its chunk forwards (F ops, and the last virtual
+stage's B, where its F is folded in), psum'd with the head's.
+Which axes are manual and how the arguments enter: pipeline_specs.py (expert parallelism
+included).
 
 A rank with nothing to do in a step skips it: F and B are `lax.switch`es on the rank's own
 table entry, so no chunk runs on zeros and a device's matmuls are exactly its m·v chunk
@@ -54,6 +58,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.ledger.pipeline_schedule import Schedule
+from jaxtrain.parallel import pipeline_specs as specs
 from jaxtrain.parallel.mesh_axes import DATA, STAGE
 from jaxtrain.parallel.pipeline_stash import ChunkProgram, chunk_program
 from jaxtrain.parallel.remat import opaque_zeros
@@ -96,6 +101,7 @@ class Carry(NamedTuple):
     recv_x: jax.Array                # what arrived from the left at the end of the last step
     recv_g: Optional[jax.Array]      # ... and from the right
     sums: Any                        # the head's sums over this rank's microbatches
+    side: Any                        # the chunks' side sums over this rank's F ops (or None)
     d_chunk: Any                     # fp32 [v, ...] gradient sums of the rank's chunks
     d_edge: Any                      # fp32 gradient sums of the rank's edge row
     held: jax.Array                  # stash slots in use, and their peak
@@ -114,6 +120,7 @@ class Rank(NamedTuple):
     caux: Any
     fill_x: jax.Array                # one microbatch's activations, all `fill`
     no_sums: Any                     # the head's sums, all zeros (a step without a head)
+    no_side: Any                     # a chunk's side sums, all zeros (None: it has none)
     program: Optional[ChunkProgram]  # training only
 
 
@@ -148,15 +155,10 @@ def _full(shape, dtype, fill):
     return jnp.full(shape, fill if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
 
 
-def manual_axes(mesh) -> tuple:
-    """The mesh axes the executor makes manual: `stage`, and `data` when it has replicas (a
-    size-1 `data` would only add a no-op reduction)."""
-    return (STAGE_AXIS,) + ((DATA_AXIS,) if mesh.shape.get(DATA_AXIS, 1) > 1 else ())
-
-
-def batch_spec(a, data: bool) -> P:
-    """Inputs are [m, batch, ...]: data replicas take their rows of dim 1."""
-    return P(None, DATA_AXIS) if data and a.ndim >= 2 else P()
+def _chunk_y(fns: Fns, rk, params, x, caux):
+    """The chunk's output activation (its side sums dropped)."""
+    out = fns.chunk(params, x, caux)
+    return out if rk.no_side is None else out[0]
 
 
 # ----------------------------------------------------------------------------- one step's ops
@@ -172,17 +174,19 @@ def _head(fns: Fns, rk: Rank, edge, y, k):
 
 
 def _f_op(fns: Fns, rk: Rank, c: Carry, row, from_input: bool, backward: bool):
-    """One F: (what goes right, the residuals to stash, the sums it adds)."""
+    """One F: (what goes right, the residuals to stash, the head's and the chunk's sums it
+    adds)."""
     j, k = jnp.maximum(row["f_chunk"], 0), jnp.maximum(row["f_mb"], 0)
     x_in = _first_input(fns, rk, k) if from_input else c.inbox[jnp.maximum(row["f_in"], 0)]
     params, caux = _take(rk.chunks, j), _take(rk.caux, k)
     if backward:
-        y, saved = rk.program.forward(params, x_in, caux)
-        return y, tuple(saved), rk.no_sums
-    y = fns.chunk(params, x_in, caux)
+        y, saved, side = rk.program.forward(params, x_in, caux)
+        return y, tuple(saved), rk.no_sums, side
+    out = fns.chunk(params, x_in, caux)
+    y, side = (out, None) if rk.no_side is None else out
     is_last = j * rk.p + rk.r == rk.num_v - 1
     sums = lax.cond(is_last, lambda: _head(fns, rk, rk.edge, y, k)[1], lambda: rk.no_sums)
-    return y, (), sums
+    return y, (), sums, side
 
 
 class BOut(NamedTuple):
@@ -193,6 +197,7 @@ class BOut(NamedTuple):
     d_edge: Any                      # the edge row's (head or embedding; zeros elsewhere)
     sums: Any                        # the head's (zeros but on the last virtual stage)
     objective: jax.Array             # the head's objective (0 elsewhere): orders the F after
+    side: Any                        # the last virtual stage's chunk side sums (its F is here)
 
 
 def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
@@ -204,10 +209,15 @@ def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
     j, k = jnp.maximum(row["b_chunk"], 0), jnp.maximum(row["b_mb"], 0)
     params = _take(rk.chunks, j)
     d_edge, sums, objective = _zeros(rk.edge), rk.no_sums, jnp.zeros((), jnp.float32)
+    side = rk.no_side
     if last:
         x_in = _first_input(fns, rk, k) if first else c.inbox[jnp.maximum(row["b_in"], 0)]
         caux = _take(rk.caux, k)
-        y, pull = jax.vjp(lambda p_, h: fns.chunk(p_, h, caux), params, x_in)
+        chunk = lambda p_, h: fns.chunk(p_, h, caux)  # noqa: E731
+        if side is None:
+            y, pull = jax.vjp(chunk, params, x_in)
+        else:
+            y, pull, side = jax.vjp(chunk, params, x_in, has_aux=True)
         objective, head_pull, sums = jax.vjp(lambda e, y_: _head(fns, rk, e, y_, k), rk.edge,
                                              y, has_aux=True)
         d_edge, dy = head_pull(jnp.ones_like(objective))
@@ -219,12 +229,12 @@ def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
     if first:
         _, pull = jax.vjp(lambda e: fns.embed(e, _take(rk.x, k)).astype(dx.dtype), rk.edge)
         d_edge = _add(d_edge, pull(dx)[0])
-    return BOut(dx, d_params, d_edge, sums, objective)
+    return BOut(dx, d_params, d_edge, sums, objective, side)
 
 
 def _b_idle(rk: Rank, c: Carry, row) -> BOut:
     return BOut(rk.fill_x, _zeros(_take(rk.chunks, 0)), _zeros(rk.edge), rk.no_sums,
-                jnp.zeros((), jnp.float32))
+                jnp.zeros((), jnp.float32), rk.no_side)
 
 
 def _switch_f(fns: Fns, rk: Rank, c: Carry, row, backward: bool):
@@ -235,13 +245,14 @@ def _switch_f(fns: Fns, rk: Rank, c: Carry, row, backward: bool):
     index = jnp.where(j >= 0, 1 + first.astype(jnp.int32), 0)
 
     def idle(c, row):
-        return rk.fill_x, tuple(jnp.zeros_like(buf[0]) for buf in c.stash), rk.no_sums
+        return (rk.fill_x, tuple(jnp.zeros_like(buf[0]) for buf in c.stash), rk.no_sums,
+                rk.no_side)
     branches = [idle] + [functools.partial(_f_op, fns, rk, from_input=f, backward=backward)
                          for f in (False, True)]
     with jax.named_scope(F_SCOPE):
-        y, saved, sums = lax.switch(index, branches, c, row)
+        y, saved, sums, side = lax.switch(index, branches, c, row)
     stash = tuple(_put(buf, row["f_res"], s) for buf, s in zip(c.stash, saved))
-    return c._replace(stash=stash, sums=_add(c.sums, sums)), y
+    return c._replace(stash=stash, sums=_add(c.sums, sums), side=_add(c.side, side)), y
 
 
 def _switch_b(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row):
@@ -261,7 +272,8 @@ def _switch_b(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row):
     with jax.named_scope(B_SCOPE):
         out = lax.switch(index, branches, c, row)
     c = c._replace(d_chunk=combine.add_at(c.d_chunk, jnp.maximum(j, 0), out.d_params),
-                   d_edge=_add(c.d_edge, out.d_edge), sums=_add(c.sums, out.sums))
+                   d_edge=_add(c.d_edge, out.d_edge), sums=_add(c.sums, out.sums),
+                   side=_add(c.side, out.side))
     return c, out
 
 
@@ -296,7 +308,8 @@ def _check_shapes(fns: Fns, rk: Rank) -> None:
     again)."""
     act = rk.fill_x
     y = (rk.program.fwd.out_avals[0] if rk.program is not None else
-         jax.eval_shape(fns.chunk, _take(rk.chunks, 0), act, _take(rk.caux, 0)))
+         jax.eval_shape(functools.partial(_chunk_y, fns, rk), _take(rk.chunks, 0), act,
+                        _take(rk.caux, 0)))
     if (y.shape, y.dtype) != (act.shape, act.dtype):
         raise PipelineError(f"chunk_fn maps x {act.dtype}{list(act.shape)} to {y.dtype}"
                             f"{list(y.shape)}; a chunk must return the shape and dtype it gets "
@@ -327,7 +340,8 @@ def _init(rk: Rank, table, backward: bool, fill: float) -> Carry:
         cots, recv_g = buf(slots(table.grad_slots)), rk.fill_x
         d_chunk, d_edge = _fp32_zeros(rk.chunks), _fp32_zeros(rk.edge)
     return Carry(inbox=buf(slots(table.inbox_slots)), stash=stash, cots=cots,
-                 recv_x=rk.fill_x, recv_g=recv_g, sums=rk.no_sums, d_chunk=d_chunk,
+                 recv_x=rk.fill_x, recv_g=recv_g, sums=rk.no_sums, side=rk.no_side,
+                 d_chunk=d_chunk,
                  d_edge=d_edge, held=zero, peak=zero)
 
 
@@ -339,17 +353,21 @@ def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: Gr
     chunks, edge_row = _take(chunk_params, 0), _take(edge, 0)
     act = jax.eval_shape(fns.embed, edge_row, _take(x, 0))
     fill_x = _full(act.shape, act.dtype, fill)
-    no_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                           _head_shapes(fns, edge_row, act, aux)[1])
-    rk = Rank(r, p, p * v, chunks, edge_row, x, aux, caux, fill_x, no_sums, None)
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa
+    no_sums = zeros(_head_shapes(fns, edge_row, act, aux)[1])
+    chunk_out = jax.eval_shape(fns.chunk, _take(chunks, 0), fill_x, _take(caux, 0))
+    no_side = zeros(chunk_out[1]) if isinstance(chunk_out, tuple) else None
+    rk = Rank(r, p, p * v, chunks, edge_row, x, aux, caux, fill_x, no_sums, no_side, None)
     if backward:
         rk = rk._replace(program=chunk_program(fns.chunk, _take(chunks, 0), fill_x,
-                                               _take(caux, 0)))
+                                               _take(caux, 0), side=no_side is not None))
     _check_shapes(fns, rk)
     carry = _init(rk, table, backward, fill)
     step = functools.partial(_step, fns, rk, combine, backward, cols)
     c, _ = lax.scan(step, carry, jnp.arange(table.num_steps))
     sums = lax.psum(c.sums, manual)
+    if no_side is not None:
+        sums = (sums, lax.psum(c.side, manual))
     if not backward:
         return sums, c.peak[None]
     stack = lambda tree: jax.tree.map(lambda a: a[None, None], tree)  # noqa: E731
@@ -357,28 +375,29 @@ def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: Gr
 
 
 def execute(fns: Fns, chunk_params, edge, x, aux, caux, *, schedule: Schedule, mesh,
-            backward: bool, fill: float = 0.0, combine: Optional[GradCombine] = None):
+            backward: bool, fill: float = 0.0, combine: Optional[GradCombine] = None,
+            expert_dims: Any = None):
     """Run schedule.table (backward) or schedule.forward_table in one shard_map.
 
     chunk_params and edge lead with [p] (sharded over `stage`); x (the embedding's inputs),
     aux and caux with [m] (and their batch dim 1 splits over `data`). Sums, never means (the
     caller divides): forward only: (sums, peak[p]), the head's sums over microbatches and data
-    replicas. Training: (sums, d_chunk, d_edge, peak[p]): d_chunk [replicas, p, v, ...] and
+    replicas (a chunk with side sums: (head's, chunks'), the chunks' over every F). Training: (sums, d_chunk, d_edge, peak[p]): d_chunk [replicas, p, v, ...] and
     d_edge [replicas, p, ...] are fp32 sums over the microbatches of each data replica of the
     objectives' gradients (reduce dim 0 with `combine.reduce`); peak counts the stash slots
-    each rank held at once, measured in the loop.
+    each rank held at once, measured in the loop. `expert_dims`: per chunk leaf, the dim
+    (counting [p, v, ...]) that holds its experts, or None.
     """
-    manual = manual_axes(mesh)
-    has_data = DATA_AXIS in manual
+    manual = specs.manual_axes(mesh)
     table = schedule.table if backward else schedule.forward_table
     cols = {k: jnp.asarray(a) for k, a in table.columns.items()}
-    specs = lambda tree: jax.tree.map(lambda a: batch_spec(a, has_data), tree)  # noqa: E731
+    inputs = lambda tree: specs.batch_specs(tree, mesh)  # noqa: E731
+    in_chunks, d_chunks = specs.chunk_specs(chunk_params, expert_dims, mesh)
     out_specs = (P(), P(STAGE_AXIS))
     if backward:
-        stacked = P(DATA_AXIS if has_data else None, STAGE_AXIS)
-        out_specs = (P(), stacked, stacked, P(STAGE_AXIS))
+        out_specs = (P(), d_chunks, specs.stacked(mesh), P(STAGE_AXIS))
     body = functools.partial(_body, fns, schedule, backward, fill, combine or SUM, manual)
     return jax.shard_map(
         body, mesh=mesh, axis_names=set(manual),
-        in_specs=(P(STAGE_AXIS), P(STAGE_AXIS), specs(x), specs(aux), specs(caux), P()),
+        in_specs=(in_chunks, P(STAGE_AXIS), inputs(x), inputs(aux), inputs(caux), P()),
         out_specs=out_specs, check_vma=False)(chunk_params, edge, x, aux, caux, cols)

@@ -35,18 +35,26 @@ class ChunkProgram:
     derived: Any             # ClosedJaxpr: param leaves -> the parameter-only residuals
     vjp_tree: Any            # PyTreeDef of the pullback (jax's VJP object)
     is_saved: tuple          # per residual leaf: True when it depends on the microbatch
+    side_tree: Any = None    # PyTreeDef of the chunk's side sums (None: it returns y alone)
+
+    @property
+    def n_side(self) -> int:
+        return 0 if self.side_tree is None else self.side_tree.num_leaves
 
     @property
     def saved_avals(self) -> list:
         """Shapes and dtypes of what an F stashes (one microbatch)."""
-        outs = self.fwd.jaxpr.outvars[1:]
+        outs = self.fwd.jaxpr.outvars[1 + self.n_side:]
         return [v.aval for v, s in zip(outs, self.is_saved) if s]
 
     def forward(self, params, x, aux) -> tuple:
-        """(y, saved residuals) of one microbatch: the chunk's forward, nothing recomputed."""
+        """(y, saved residuals, side sums or None) of one microbatch: the chunk's forward,
+        nothing recomputed."""
         y, *res = compat.jaxpr_as_fun(self.fwd)(*jax.tree.leaves(params), x,
                                                 *jax.tree.leaves(aux))
-        return y, [r for r, s in zip(res, self.is_saved) if s]
+        side, res = res[:self.n_side], res[self.n_side:]
+        side = None if self.side_tree is None else jax.tree.unflatten(self.side_tree, side)
+        return y, [r for r, s in zip(res, self.is_saved) if s], side
 
     def backward(self, params, saved, dy) -> tuple:
         """(d_params, dx): the stashed pullback, with the parameter-only residuals recomputed."""
@@ -56,14 +64,20 @@ class ChunkProgram:
         return jax.tree_util.tree_unflatten(self.vjp_tree, leaves)(dy)
 
 
-def chunk_program(chunk: Callable, params, x, aux) -> ChunkProgram:
-    """Trace `chunk(params, x, aux) -> y` with these (example) values' shapes."""
+def chunk_program(chunk: Callable, params, x, aux, side: bool = False) -> ChunkProgram:
+    """Trace `chunk(params, x, aux) -> y` (`side`: -> (y, side sums), a pytree of scalars
+    that is not differentiated) with these (example) values' shapes."""
     trees = {}
 
     def fwd(params_, x_, aux_):
-        y, pullback = jax.vjp(lambda p, h: chunk(p, h, aux_), params_, x_)
+        if side:
+            y, pullback, sums = jax.vjp(lambda p, h: chunk(p, h, aux_), params_, x_,
+                                        has_aux=True)
+            sums, trees["side"] = jax.tree.flatten(sums)
+        else:
+            (y, pullback), sums = jax.vjp(lambda p, h: chunk(p, h, aux_), params_, x_), []
         leaves, trees["vjp"] = jax.tree.flatten(pullback)
-        return y, leaves
+        return y, *sums, leaves
 
     closed = jax.make_jaxpr(fwd)(params, x, aux)
     n_params = len(jax.tree.leaves(params))
@@ -71,7 +85,8 @@ def chunk_program(chunk: Callable, params, x, aux) -> ChunkProgram:
     depends = compat.outputs_depending_on(closed, [i >= n_params for i in range(n_in)])
     if depends[0] is False:
         raise ValueError("the chunk's output does not depend on its input activations")
-    is_saved = tuple(depends[1:])
+    n_side = len(closed.jaxpr.outvars) - 1 - trees["vjp"].num_leaves
+    is_saved = tuple(depends[1 + n_side:])
     derived = compat.known_outputs(closed, [i >= n_params for i in range(n_in)],
-                                   [not s for s in (True,) + is_saved])
-    return ChunkProgram(closed, derived, trees["vjp"], is_saved)
+                                   [False] * (1 + n_side) + [not s for s in is_saved])
+    return ChunkProgram(closed, derived, trees["vjp"], is_saved, trees.get("side"))

@@ -18,13 +18,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import compat
-from jaxtrain.parallel.mesh_axes import CONTEXT, DATA, FSDP, MESH_AXES, REPLICA_AXES
+from jaxtrain.parallel.mesh_axes import (CONTEXT, DATA, EXPERT, MESH_AXES, REPLICA_AXES,
+                                         ROW_AXES)
 from jaxtrain.config import Config, ParallelConfig
 from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
 
 # logical axis -> (mesh axes for parameters, mesh axes for activations)
 RULES: dict[str, tuple] = {
-    "batch":    (None,     ("data", "fsdp")),
+    "batch":    (None,     ("data", "expert", "fsdp")),
     # The sequence of every activation is split over `context` (context parallelism); under
     # sequence parallelism the residual stream's `length` is split over (context, tensor),
     # while `sequence` names the dims SP leaves whole (inside attention and the MLP).
@@ -38,13 +39,19 @@ RULES: dict[str, tuple] = {
     "head_dim": (None,     None),
     "norm":     (None,     None),
     "layers":   ("stage",  None),     # pipeline: each stage holds its layers
+    "experts":  ("expert", None),     # expert parallelism: each expert rank its experts
 }
 
 
 def mesh_shape(parallel_cfg: Config | ParallelConfig, n_devices: int) -> dict[str, int]:
-    """Mesh degrees with the -1 filled (the ledger's arithmetic, so the two always agree)."""
+    """Mesh degrees with the -1 filled (the ledger's arithmetic, so the two always agree), in
+    MESH_AXES order: parallel.data's ranks split into `data` x `expert` (the expert ranks are
+    carved out of the data-parallel ones; config_check.check_expert says it divides)."""
     cfg = parallel_cfg if isinstance(parallel_cfg, Config) else Config(parallel=parallel_cfg)
-    return resolve_degrees(cfg, n_devices)
+    degrees = resolve_degrees(cfg, n_devices)
+    expert = cfg.parallel.expert
+    degrees.update(data=degrees["data"] // expert, expert=expert)
+    return {a: degrees[a] for a in MESH_AXES}
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
@@ -120,9 +127,11 @@ def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False):
 
 def add_data_axis(spec: P, shape, mesh: Mesh) -> P:
     """ZeRO-1: shard a (parameter-shaped) optimizer array over the data-parallel group as well
-    (`data`, and `context`, whose ranks hold the same parameters: Megatron's distributed
-    optimizer), on the first dim that is divisible; arrays with no such dim stay replicated."""
-    group = replica_axes(mesh)
+    (`data`, `expert` and `context`, whose ranks hold the same parameters: Megatron's
+    distributed optimizer; the experts' own group leaves out `expert`, which splits them), on
+    the first dim that is divisible; arrays with no such dim stay replicated."""
+    used = {a for axes in spec for a in flat_axes(axes)}
+    group = tuple(a for a in replica_axes(mesh) if a not in used)
     n = math.prod(mesh.shape[a] for a in group)
     if n == 1:
         return spec
@@ -229,15 +238,19 @@ def _drop_if_indivisible(spec, shape, mesh):
     return P(*parts)
 
 
+def one_or_tuple(axes: tuple):
+    """A spec entry for mesh axes `axes`: None, one name or the tuple."""
+    return axes[0] if len(axes) == 1 else (axes or None)
+
+
 def batch_spec(mesh: Mesh) -> P:
-    axes = tuple(a for a in (DATA, FSDP) if mesh.shape[a] > 1)
-    return P(axes if len(axes) > 1 else (axes[0] if axes else None),
+    return P(one_or_tuple(tuple(a for a in ROW_AXES if mesh.shape[a] > 1)),
              CONTEXT if mesh.shape[CONTEXT] > 1 else None)
 
 
 def batch_row_shards(mesh: Mesh) -> int:
-    """How many blocks of rows a global batch splits into (data x fsdp)."""
-    return mesh.shape.get(DATA, 1) * mesh.shape.get(FSDP, 1)
+    """How many blocks of rows a global batch splits into (data x expert x fsdp)."""
+    return math.prod(mesh.shape.get(a, 1) for a in ROW_AXES)
 
 
 def replica_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -246,8 +259,17 @@ def replica_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def replica_rows_spec(mesh: Mesh) -> P:
-    """A [B, S] batch's blocks as one replica (of replica_axes) takes them."""
-    return P(*(a if mesh.shape[a] > 1 else None for a in REPLICA_AXES))
+    """A [B, S] batch's blocks as one replica (of replica_axes) takes them: rows over data x
+    expert, the sequence over context."""
+    rows = tuple(a for a in (DATA, EXPERT) if mesh.shape[a] > 1)
+    return P(one_or_tuple(rows), CONTEXT if mesh.shape[CONTEXT] > 1 else None)
+
+
+def expert_dim(names) -> int | None:
+    """The dim of a parameter's logical names that holds its experts (None: not an expert
+    weight)."""
+    names = tuple(names)
+    return names.index("experts") if "experts" in names else None
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

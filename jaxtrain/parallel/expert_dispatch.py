@@ -1,0 +1,127 @@
+"""Expert parallelism's token dispatch: the MoE layer's `Ops.dispatch` when `expert` > 1.
+
+Runs inside the executors' shard_map, where `expert` is manual: each expert rank holds its
+own rows of the batch and E/ep of the experts (their weights enter the shard_map split over
+`expert`). Megatron's alltoall dispatcher, per MoE layer:
+
+    permute (rows sorted by expert; the rows for rank j are one contiguous block)
+    -> all-to-all of the counts (which of my rows each rank's experts get)
+    -> transport: block j to rank j; rank i's rows land in block i of a [ep, N, D] buffer
+    -> sort the received rows by local expert -> grouped GEMM (the layer's experts_fn)
+    -> unsort -> transport back (block i to rank i, landing in block j)
+    -> each sorted row read back from its block -> unpermute, weighted by the router
+
+Two transports with one semantics (they deliver the same buffer, zeros past each block's
+rows): `ragged` (`lax.ragged_all_to_all`, an async start/done pair on XLA:GPU; XLA:CPU has no
+kernel for it) and `fixed` (each block padded to N rows and one `all_to_all`: CPU, and a
+fallback). N = T·k (every assignment of this rank may go to one expert rank): the buffers are
+dropless' worst case, ep·N rows, whichever transport moves them; `ragged` moves only the rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.model import moe
+from jaxtrain.parallel.mesh_axes import EXPERT
+
+
+class Plan(NamedTuple):
+    """One direction of a transfer, from this rank (lax.ragged_all_to_all's arguments): the
+    rows of my operand for rank j start at input_offsets[j] (send_sizes[j] of them) and land
+    at output_offsets[j] of rank j's buffer; recv_sizes[i]: the rows rank i sends me."""
+    input_offsets: jax.Array
+    send_sizes: jax.Array
+    output_offsets: jax.Array
+    recv_sizes: jax.Array
+
+
+def plan(send_sizes_P, recv_sizes_P, block: int, input_offsets_P=None) -> Plan:
+    """The plan of a transfer into [ep, block] buffers: my rows land in block `my rank` of
+    every receiver's buffer; without `input_offsets_P` my blocks are contiguous in order."""
+    if input_offsets_P is None:
+        input_offsets_P = jnp.cumsum(send_sizes_P) - send_sizes_P
+    me = jax.lax.axis_index(EXPERT)
+    return Plan(input_offsets_P.astype(jnp.int32), send_sizes_P.astype(jnp.int32),
+                jnp.full_like(send_sizes_P, me * block, dtype=jnp.int32),
+                recv_sizes_P.astype(jnp.int32))
+
+
+def ragged(x_MD, p: Plan, block: int):
+    """[ep, block, D]: the plan's rows by `lax.ragged_all_to_all` (GPUs)."""
+    ep = p.send_sizes.shape[0]
+    out = jnp.zeros((ep * block, x_MD.shape[1]), x_MD.dtype)
+    y = jax.lax.ragged_all_to_all(x_MD, out, p.input_offsets, p.send_sizes, p.output_offsets,
+                                  p.recv_sizes, axis_name=EXPERT)
+    return y.reshape(ep, block, x_MD.shape[1])
+
+
+def fixed(x_MD, p: Plan, block: int):
+    """[ep, block, D]: the plan's rows, each block padded to `block` rows with zeros, by one
+    `all_to_all` (CPU, and a fallback). Lands where `ragged` puts them (block i from rank i)."""
+    rows_B = jnp.arange(block, dtype=jnp.int32)
+    index_PB = jnp.minimum(p.input_offsets[:, None] + rows_B, x_MD.shape[0] - 1)
+    valid_PB = rows_B < p.send_sizes[:, None]
+    send_PBD = jnp.where(valid_PB[..., None], x_MD[index_PB], 0).astype(x_MD.dtype)
+    return jax.lax.all_to_all(send_PBD, EXPERT, 0, 0, tiled=True)
+
+
+TRANSPORTS: dict[str, Callable] = {"ragged": ragged, "fixed": fixed}
+
+
+def dispatch_for(mesh, platform: str):
+    """The MoE layer's Ops.dispatch on `mesh`: the local one without expert parallelism; else
+    over `expert`, by ragged_all_to_all on GPUs (XLA:CPU cannot run it), fixed elsewhere."""
+    if mesh is None or mesh.shape[EXPERT] == 1:
+        return moe.local_dispatch
+    return ExpertParallelDispatch(mesh.shape[EXPERT], "ragged" if platform == "gpu" else "fixed")
+
+
+def _group_of_rows(counts_PL, block: int):
+    """[ep·block] int32: the local expert of each row of a received [ep, block] buffer (each
+    block holds its sender's rows sorted by my experts); rows past a block's count get L,
+    which sorts after every expert."""
+    ends_PL = jnp.cumsum(counts_PL, axis=1)
+    rows_B = jnp.arange(block, dtype=counts_PL.dtype)
+    group_PB = jnp.sum(rows_B[None, :, None] >= ends_PL[:, None, :], axis=-1)
+    return group_PB.reshape(-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelDispatch:
+    """`Ops.dispatch` over the manual `expert` axis (moe.local_dispatch's contract):
+    (x_TD, experts_TK, weights_TK, keep_TK, num_experts, experts_fn) -> y_TD fp32, where
+    `experts_fn(x_RD, group_sizes_L)` runs this rank's L = num_experts/ep experts on rows
+    sorted by them."""
+    expert: int             # the expert degree (ep)
+    transport: str = "fixed"
+
+    def __call__(self, x_TD, experts_TK, weights_TK, keep_TK, num_experts: int,
+                 experts_fn: Callable):
+        ep, move = self.expert, TRANSPORTS[self.transport]
+        local = num_experts // ep
+        x_ND, perm = moe.permute(x_TD, experts_TK, num_experts, keep_TK)
+        block = x_ND.shape[0]
+        counts_PL = perm.group_sizes_E.reshape(ep, local)   # row j: my rows for rank j
+        recv_counts_PL = jax.lax.all_to_all(counts_PL, EXPERT, 0, 0, tiled=True)
+        send_P, recv_P = jnp.sum(counts_PL, axis=1), jnp.sum(recv_counts_PL, axis=1)
+        out = plan(send_P, recv_P, block)
+        recv_RD = move(x_ND, out, block).reshape(ep * block, -1)
+
+        group_R = _group_of_rows(recv_counts_PL, block)
+        order_R = jnp.argsort(group_R, stable=True)
+        y_sorted_RD = experts_fn(recv_RD[order_R], jnp.sum(recv_counts_PL, axis=0))
+        y_RD = jnp.zeros_like(y_sorted_RD).at[order_R].set(y_sorted_RD)
+
+        offsets_P = jnp.arange(ep, dtype=jnp.int32) * block
+        back_PBD = move(y_RD, plan(recv_P, send_P, block, offsets_P), block)
+        # sorted row n went to rank dest_N, as row n - offset of its block there
+        rows_N = jnp.arange(block, dtype=jnp.int32)
+        dest_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(send_P), rows_N, side="right"),
+                             ep - 1)
+        y_ND = back_PBD[dest_N, jnp.clip(rows_N - out.input_offsets[dest_N], 0, block - 1)]
+        y_ND = jnp.where((rows_N < jnp.sum(send_P))[:, None], y_ND, 0)
+        return moe.unpermute(y_ND, perm.order_N, weights_TK)
