@@ -90,11 +90,15 @@ class PipelineModel:
 
     def expert_dims(self, chunks):
         """Per leaf of (chunks, modes): its experts' dim in the chunk layout [p, v, Lc, ...]
-        (the layer-stacked dim 0 becomes three), or None."""
+        (the layer-stacked dim 0 becomes three), or None. Without MoE every leaf's is None
+        (the chunks may carry FP8 metas beside the params: FP8 with MoE is refused)."""
+        structure = jax.tree.structure(chunks)
+        if not self.moe:
+            return jax.tree.unflatten(structure, [None] * structure.num_leaves), None
         dims = [None if d is None else d + 2 for d in (
             sharding.expert_dim(n) for n in jax.tree.leaves(
                 self.setup.logical["blocks"], is_leaf=lambda x: isinstance(x, P)))]
-        return jax.tree.unflatten(jax.tree.structure(chunks), dims), None
+        return jax.tree.unflatten(structure, dims), None
 
     def _with_stats(self, sums):
         """The head's LossSums, with the chunks' MoeStats (summed over every F) as its aux."""
