@@ -62,10 +62,17 @@ CONTEXT = {"none": (), "all_gather": ("--parallel.context=2",),
            "ring": ("--parallel.context=2", "--parallel.context_strategy=ring")}
 
 
+@pytest.fixture(scope="module")
+def mosaic_dir(tmp_path_factory):
+    """One Mosaic dump folder for the module's attention compiles: Mosaic compiles a kernel
+    once per process and dumps it then (auto's kernels are mosaic's, found there)."""
+    return tmp_path_factory.mktemp("mosaic_dump")
+
+
 @pytest.mark.parametrize("context", list(CONTEXT))
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("impl", ["xla", "pallas", "mosaic", "cudnn", "auto"])
-def test_every_attention_compiles_at_every_pipeline_depth(h100, tmp_path, impl, stage, context):
+def test_every_attention_compiles_at_every_pipeline_depth(h100, mosaic_dir, impl, stage, context):
     """The kernel each choice means on a GPU is the one in the program, at pipeline depth 1
     and 2 (the kernel's shard_map inside the pipeline's) and under each context strategy:
     on H100s `auto` is the Mosaic GPU kernel, within the H100's limits (no spills)."""
@@ -76,7 +83,7 @@ def test_every_attention_compiles_at_every_pipeline_depth(h100, tmp_path, impl, 
         ("--parallel.data=2", "--parallel.tensor=2") if stage == 1 else
         ("--parallel.stage=2", "--parallel.data=2", "--parallel.microbatches=2"))
     out = _compile(h100, f"--model.attention={impl}", *layout, *CONTEXT[context], *cp,
-                   mosaic_dump=tmp_path)
+                   mosaic_dump=mosaic_dir)
     pallas = gpu_kernels.pallas_kernel_names(out.text)
     mosaic = gpu_kernels.mosaic_kernel_names(out.text)
     cudnn = bool(CUDNN_TARGET.search(out.text))
@@ -84,7 +91,7 @@ def test_every_attention_compiles_at_every_pipeline_depth(h100, tmp_path, impl, 
     assert (mosaic == MOSAIC_KERNELS) == (impl in ("mosaic", "auto")), mosaic
     assert cudnn == (impl == "cudnn")
     if mosaic:
-        kernels = gpu_kernels.mosaic_kernels(tmp_path, mosaic)
+        kernels = gpu_kernels.mosaic_kernels(mosaic_dir, mosaic)
         assert {x.name for x in kernels} == MOSAIC_KERNELS
         _assert_fit(kernels)
 
