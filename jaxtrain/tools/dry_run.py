@@ -143,6 +143,7 @@ class DryRun:
     state_terms: dict = dataclasses.field(default_factory=dict)  # compiled_state_terms
     gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
     attention: tuple = ()        # (the attention core compiled, why: attention.choose)
+    grouped_gemm: tuple = ()     # MoE: (the experts' grouped GEMM, why: setup.grouped_dot_for)
 
     @property
     def n_devices(self) -> int:
@@ -250,11 +251,17 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     chosen = attention.choose(scaled.model, sharding.platform(mesh),
                               sharding.compute_capability(mesh))
     flash = chosen[0] in ("pallas", "mosaic", "cudnn")
+    grouped = ()
+    if scaled.model.moe is not None:
+        from jaxtrain.executors.setup import grouped_dot_for
+        dot, why = grouped_dot_for(scaled.model, mesh)
+        grouped = ("mosaic" if dot.__module__.endswith("grouped_matmul") else "ragged_dot", why)
     est = estimate(scaled, layout_from_config(scaled, len(present)), gpu, flash=flash)
     with tempfile.TemporaryDirectory(prefix="jaxtrain-dump-") as dump:
         # the dumps hold each Pallas kernel's launch and PTX (registers, spills)
         extra = {"xla_dump_to": dump} if is_gpu and flash else None
-        mosaic_dir = f"{dump}/mosaic" if is_gpu and chosen[0] == "mosaic" else None
+        uses_mosaic = chosen[0] == "mosaic" or grouped[:1] == ("mosaic",)
+        mosaic_dir = f"{dump}/mosaic" if is_gpu and uses_mosaic else None
         with gpu_kernels.mosaic_dump(mosaic_dir):
             out = compile_step(scaled, mesh, extra_options=extra)
         report = None
@@ -283,4 +290,5 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                   executed=pipeline_flops.executed_matmul_flops(
                       out.text, *table, grouped_rows_share(scaled, est.layout)),
                   executed_wire=pipeline_flops.executed_wire_bytes(colls, runs),
-                  gpu_report=report, state_terms=state_terms, attention=chosen)
+                  gpu_report=report, state_terms=state_terms, attention=chosen,
+                  grouped_gemm=grouped)
