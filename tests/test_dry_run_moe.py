@@ -41,8 +41,8 @@ ENTRY %main (a: s32[8], x: bf16[4096,128], w: bf16[2,128,256], dy: bf16[4096,256
   %x = bf16[4096,128]{1,0} parameter(1)
   %w = bf16[2,128,256]{2,1,0} parameter(2)
   %dy = bf16[4096,256]{1,0} parameter(3)
-  %fwd = bf16[4096,256]{1,0} custom-call(%a, %a, %x, %w), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[8]{0}, s32[8]{0}, bf16[4096,128]{1,0}, bf16[2,128,256]{2,1,0}}, api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/jaxtrain_grouped_rows/mpmd_map"}, backend_config={module = "sym\\00jaxtrain_grouped_rows\\00mpmd_map"}
-  %dw = bf16[2,128,256]{2,1,0} custom-call(%a, %a, %x, %dy), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[8]{0}, s32[8]{0}, bf16[4096,128]{1,0}, bf16[4096,256]{1,0}}, api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/jaxtrain_grouped_per_group/mpmd_map"}, backend_config={module = "sym\\00jaxtrain_grouped_per_group\\00mpmd_map"}
+  %fwd = bf16[4096,256]{1,0} custom-call(%a, %a, %x, %w), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[8]{0}, s32[8]{0}, bf16[4096,128]{1,0}, bf16[2,128,256]{2,1,0}}, api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/jaxtrain_grouped_rows/mpmd_map"}, backend_config={module = "sym\00jaxtrain_grouped_rows\00mpmd_map"}
+  %dw = bf16[2,128,256]{2,1,0} custom-call(%a, %a, %x, %dy), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[8]{0}, s32[8]{0}, bf16[4096,128]{1,0}, bf16[4096,256]{1,0}}, api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/jaxtrain_grouped_per_group/mpmd_map"}, backend_config={module = "sym\00jaxtrain_grouped_per_group\00mpmd_map"}
   %send = ((bf16[4096,128]{1,0}, bf16[4096,128]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, s64[8]{0}), bf16[4096,128]{1,0}) ragged-all-to-all-start(%x, %x, %a, %a, %a, %a), channel_id=1
   %recv = bf16[4096,128]{1,0} ragged-all-to-all-done(%send)
   ROOT %out = bf16[4096,256]{1,0} add(%fwd, %dy)
