@@ -4,14 +4,17 @@ Megatron's examples/mixtral settings on 64 H100s: TP 1, PP 4 (8 layers a stage),
 out of data 16, the distributed optimizer (ZeRO-1), 16 microbatches of one 4096-token sequence
 (global batch 256), every layer MoE with the aux-loss router (coefficient 1e-2) and dropless
 dispatch: each token's rows sorted by expert into grouped GEMMs, moved by all-to-all.
-Megatron's moe_act recompute (the experts' SwiGLU, no matmul) with it. The ledger rates this
-layout (`python -m jaxtrain.plan --config configs/mixtral_8x7b.py --devices 64 --gpu h100`,
-the configured row) 39-57% MFU at 70.8 of 72 GiB (Megatron reports 42%); without moe_act the
-stash needs 88.6 GiB and does not fit. Its all-to-all moves 30.1 GB per device per step over
-NVLink (the 8 expert ranks sit in one node). The planner's own pick is tensor 1, stage 2 x 8
-virtual, expert 8, no recompute: 43-65% at 69.9 GiB, closer to the budget. The executors
-train this layout's parts (expert parallelism, stages, ZeRO-1) on CPU at tiny sizes
-(configs/tiny_moe.py, tests/test_expert_parallel.py); not yet compiled whole for 64 H100s.
+Megatron's `moe` recompute (the routed part: router, experts and their dispatch re-run in
+the backward) with it: the executor's shapes are static, so a rank's receive buffer holds
+every sender's worst case (8 x 8192 rows) and the experts' gate, up and out are stored at that
+size, which Megatron's dynamic shapes never hold. The ledger rates this layout (`python -m
+jaxtrain.plan --config configs/mixtral_8x7b.py --devices 64 --gpu h100`, the configured row)
+31-45% MFU at 48.3 of 72 GiB (Megatron reports 42%); without recompute the stash needs 439.1
+GiB and does not fit, and with moe_act alone 297 GiB. Its all-to-all moves 45.1 GB per device
+per step over NVLink (the 8 expert ranks sit in one node; the recompute re-runs the forward's
+two). The planner's own pick is tensor 2, stage 8 x 2 virtual, expert 1, no recompute: 43-64%
+at 63.1 GiB. The dry run compiles this layout for 64 H100s at 4 of its 32 layers
+(tests/test_gpu_compile_moe.py): memory, MoE FLOPs and kernels as the ledger says.
 """
 from jaxtrain.config import Config, ModelConfig, MoeConfig, TrainConfig
 
@@ -33,7 +36,7 @@ def get_config() -> Config:
     cfg.parallel.data = -1
     cfg.parallel.zero1 = True
     cfg.parallel.microbatches = 16
-    # Megatron's moe_act: the experts' SwiGLU recomputed from gate and up (no matmul).
+    # Megatron's moe: the routed part recomputed (its dispatch too); moe_act alone does not fit.
     cfg.remat.granularity = "selective"
-    cfg.remat.modules = ("core_attn", "moe_act")
+    cfg.remat.modules = ("core_attn", "moe")
     return cfg

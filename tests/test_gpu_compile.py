@@ -599,7 +599,8 @@ def test_grouped_matmul_kernels_fit_an_h100_at_mixtral_shapes(h100, tmp_path):
 def test_moe_layer_on_the_kernels_runs_no_expert_dense_gemm(h100):
     """lax.ragged_dot on XLA:GPU multiplies E times the grouped work (a dense GEMM over every
     expert, ../shared/notes/moe-and-mosaic-gpu-without-gpu.md); the layer on the kernels runs
-    its experts as Mosaic GPU kernels (3 forward, 6 backward), and only the router is a GEMM."""
+    its experts as Mosaic GPU kernels (3 forward, 6 backward), and only the router is a GEMM;
+    the executed count reads the kernels as the grouped work they do."""
     sh = SingleDeviceSharding(h100(1)[0])
     t, d, f, e, k = 2048, 512, 1024, 8, 2
     cfg = ModelConfig(hidden_size=d, compute_dtype="bfloat16", num_layers=1,
@@ -621,3 +622,6 @@ def test_moe_layer_on_the_kernels_runs_no_expert_dense_gemm(h100):
     assert hlo.matmul_flops_from_text(ragged) == pytest.approx(e * grouped + router, rel=0.01)
     assert hlo.matmul_flops_from_text(kernels) == pytest.approx(router, rel=0.01)
     assert kernels.count('custom_call_target="mosaic_gpu_v2"') == 9
+    # as the dry run counts them (kernel_flops): every buffer row is routed on one device
+    executed = pipeline_flops.executed_matmul_flops(kernels, None).mean
+    assert executed == pytest.approx(grouped + router, rel=0.01)

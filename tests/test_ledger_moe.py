@@ -107,12 +107,31 @@ def test_moe_activations_by_tag_and_what_moe_act_and_moe_recompute():
         rm = RematConfig(granularity="selective", modules=modules)
         return memory.stage_activations(cfg, layout, rm, False, 32, 4, 4).total
     # 4 layers x 1 microbatch in flight, unpipelined; the backward re-materialises one layer's
-    # dropped tags at once (the working set)
+    # dropped tags at once (the working set), with `moe` also gate/up's cotangents (moe_in's
+    # size)
     stored_less = 4 - 1
     assert stored(("core_attn",)) - stored(("core_attn", "moe_act")) == \
         stored_less * by_tag["moe_act"]
     assert stored(("core_attn",)) - stored(("core_attn", "moe")) == stored_less * sum(
-        by_tag[t] for t in ("moe_router", "moe_in", "moe_act", "moe_out"))
+        by_tag[t] for t in ("moe_router", "moe_in", "moe_act", "moe_out")) - by_tag["moe_in"]
+
+
+def test_expert_parallel_buffers_hold_every_senders_worst_case():
+    """Under expert parallelism the expert GEMMs run on (and store) a rank's receive buffer:
+    ep blocks of tokens x top_k rows (static shapes: dropless' worst case), ep times the
+    routed rows; the dispatch buffers are the T·k rows sent and that buffer. The FLOPs stay
+    the routed rows' (flops.expert_rows_per_token)."""
+    cfg = _small(MoeConfig(num_experts=8, top_k=2, mlp_size=40), data=4)
+    one = ledger.Layout(micro_batch=4, microbatches=4)
+    four = dataclasses.replace(one, expert=4, data=4)
+    by_one = experts.activation_bytes_by_tag(cfg, one, 32)
+    by_four = experts.activation_bytes_by_tag(cfg, four, 32)
+    for tag in ("moe_in", "moe_act", "moe_out", "rows"):
+        assert by_four[tag] == 4 * by_one[tag], tag
+    assert by_four["moe_router"] == by_one["moe_router"]
+    rows = 32 * 4 * 2
+    assert experts.dispatch_buffer_bytes(cfg, four, 32) == 2 * (1 + 4) * rows * 64
+    assert experts.rows_per_token(cfg) == 2 and experts.buffer_rows_per_token(cfg, four) == 8
 
 
 def test_moe_recompute_flops_of_each_module():
@@ -188,7 +207,12 @@ def test_the_planner_walks_expert_degrees_and_takes_expert_as_a_flag():
 
 def test_mixtral_layout_fits_64_h100s_only_with_its_recompute():
     est = ledger.estimate(MIXTRAL, ledger.layout_from_config(MIXTRAL, 64), "h100")
-    assert est.fits and est.remat == "selective(core_attn,moe_act)"
+    assert est.fits and est.remat == "selective(core_attn,moe)"
+    # the executor stores the experts' tensors at its receive buffer's rows: moe_act alone
+    # does not fit
+    act = dataclasses.replace(MIXTRAL, remat=dataclasses.replace(
+        MIXTRAL.remat, modules=("core_attn", "moe_act")))
+    assert not ledger.estimate(act, ledger.layout_from_config(act, 64), "h100").fits
     assert 0.3 < est.expected_mfu[0] < est.expected_mfu[1] < 0.7
     assert est.total_bytes < est.budget_bytes <= 72 * GiB
 

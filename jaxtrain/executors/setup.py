@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -93,6 +94,31 @@ class Setup:
         return nnx.merge(self.graphdef, state, metas)
 
 
+def grouped_dot_for(model_cfg, mesh) -> tuple[Any, str]:
+    """(the MoE experts' Ops.grouped_dot, why) on `mesh`: the Mosaic GPU kernels
+    (kernels/grouped_matmul) on sm_90 GPUs when the experts' shapes and dtype fit them and no
+    automatic axis splits the expert GEMM (the kernel is opaque to GSPMD; inside the
+    executors' shard_maps data, expert and context are manual); else lax.ragged_dot, which
+    XLA:GPU at jax 0.10 runs as an E-fold dense GEMM (docs/design.md §8)."""
+    from jaxtrain.model import moe as moe_lib
+    from jaxtrain.model.kernels import grouped_matmul as gm
+    if model_cfg.moe is None or sharding.platform(mesh) != "gpu":
+        return moe_lib.ragged_dot, "not a GPU program"
+    cc = sharding.compute_capability(mesh) or ""
+    if not cc.startswith("9."):
+        return moe_lib.ragged_dot, f"compute capability {cc or 'unknown'}, the kernels are sm_90a"
+    split = [a for a in ("tensor", "fsdp") if mesh.shape[a] > 1]
+    if split:
+        return moe_lib.ragged_dot, f"{'/'.join(split)} > 1 would split the opaque kernel"
+    unit = math.lcm(gm.GroupedMatmulConfig.block_m, gm.GroupedMatmulConfig.block_n,
+                    gm.GroupedMatmulConfig.block_k)
+    dims = (model_cfg.hidden_size, model_cfg.expert_mlp_size)
+    if jnp.dtype(model_cfg.compute_dtype) not in gm.SUPPORTED_DTYPES or any(d % unit for d in dims):
+        return moe_lib.ragged_dot, (f"compute dtype {model_cfg.compute_dtype} or hidden/expert "
+                                    f"sizes {dims} not multiples of {unit}")
+    return gm.grouped_matmul, "Mosaic GPU grouped GEMM (sm_90a)"
+
+
 def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) -> model_lib.Ops:
     """The model's injected ops for `cfg` on `mesh` (None: one device, no constraints).
     `constrain_weights=False` leaves weights to GSPMD (the pipeline executor's per-rank
@@ -114,7 +140,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                          fp8=Fp8Converter.of(cfg.fp8),
                          span_runner=lambda start, stop: grad_accumulation.accumulating(
                              spans(start, stop), start),
-                         dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh)))
+                         dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh)),
+                         grouped_dot=grouped_dot_for(cfg.model, mesh)[0])
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:

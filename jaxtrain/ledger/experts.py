@@ -11,6 +11,14 @@ Conventions:
   FLOP count assumes), top_k·capacity_factor with pad_to_capacity (every [E, C] slot runs),
   min(top_k, top_k·capacity_factor) for the kept rows of capacity without padding. With the
   load balanced, an expert rank receives as many rows as it sends.
+- Buffers: the executor's shapes are static, so the expert GEMMs run on (and store for the
+  backward) a buffer of fixed rows, not the routed ones: T·top_k sorted rows without expert
+  parallelism (capacity's dropped rows sort last, still in it); with it, a rank's receive
+  buffer of ep blocks of T·top_k rows (any sender may route all its rows to one rank:
+  dropless' worst case, parallel/expert_dispatch.py), of which T·r arrive when the load is
+  balanced. The kernels skip row tiles in no group, so FLOPs follow the routed rows and
+  memory the buffer's (`buffer_rows_per_token`); with pad_to_capacity both are the [E, C]
+  slots.
 - All-to-all (the alltoall dispatcher): a forward pass sends the rows out and their outputs
   back, two all-to-alls of (ep-1)/ep · rows · h in the compute dtype; the backward pass the
   same two with cotangents. The expert ranks are the fastest-varying part of `data` (device
@@ -53,6 +61,16 @@ def rows_per_token(cfg: Config) -> float:
     return expert_rows_per_token(cfg.model)
 
 
+def buffer_rows_per_token(cfg: Config, layout: Layout) -> float:
+    """Rows per token of the buffers the expert GEMMs run on and store (module docstring)."""
+    e = cfg.model.moe
+    if e is None:
+        return 0.0
+    if e.dispatch == "capacity" and e.pad_to_capacity:
+        return rows_per_token(cfg)
+    return float(e.top_k * layout.expert)
+
+
 def layer_tokens(cfg: Config, layout: Layout, seq_len: int) -> float:
     """Tokens an MoE layer routes per device per microbatch (s/c · b)."""
     return seq_len / layout.context * layout.micro_batch
@@ -85,7 +103,7 @@ def activation_bytes_by_tag(cfg: Config, layout: Layout, seq_len: int) -> dict[s
     m, t = cfg.model, layout.tensor
     c = 4 if m.compute_dtype == "float32" else 2
     tokens = layer_tokens(cfg, layout, seq_len)
-    rows = tokens * rows_per_token(cfg)
+    rows = tokens * buffer_rows_per_token(cfg, layout)
     f, fs, h = m.expert_mlp_size / t, m.shared_mlp_size / t, m.hidden_size
     return {"moe_router": tokens * m.moe.top_k * (4 + 4), "moe_in": 2 * c * rows * f,
             "moe_act": c * rows * f, "moe_out": c * rows * h,
@@ -104,11 +122,13 @@ def stored_bytes(cfg: Config, layout: Layout, seq_len: int, dropped: frozenset[s
 
 
 def dispatch_buffer_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
-    """The all-to-all's send and receive buffers of one MoE layer (0 without expert ranks)."""
+    """The all-to-all's send and receive buffers of one MoE layer (0 without expert ranks):
+    T·top_k rows sent, the ep·T·top_k rows of the receive buffer."""
     if layout.expert == 1 or not any(cfg.model.moe_layers):
         return 0.0
     c = 4 if cfg.model.compute_dtype == "float32" else 2
-    return 2 * c * layer_tokens(cfg, layout, seq_len) * rows_per_token(cfg) * cfg.model.hidden_size
+    rows = layer_tokens(cfg, layout, seq_len) * cfg.model.moe.top_k
+    return c * (1 + layout.expert) * rows * cfg.model.hidden_size
 
 
 def all_to_all_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:

@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger import Estimate, Executor, Gpu, Layout, LayoutError, estimate, get_gpu
+from jaxtrain.ledger import experts
 from jaxtrain.ledger.layout import layout_from_config
 from jaxtrain.ledger.memory import layer_params_local, state_bytes, workspace_bytes
 from jaxtrain.tools.device_plan import Planned, plan_devices, scale_to_devices
@@ -69,15 +70,37 @@ def branch_matmul_flops(cfg: Config, layout: Layout, ex: Executor) -> float:
     """Matmul FLOPs per device per step as the HLO reader counts the executor: every branch of
     every table step (remat none), i.e. the F switch's two chunk forwards (from the inbox, from
     the embedding) and the B switch's stashed backwards (twice a forward; a middle stage's and
-    virtual stage 0's) and the last stage's forward + backward + head forward and backward."""
+    virtual stage 0's) and the last stage's forward + backward + head forward and backward.
+    An MoE layer's experts count by the rows their grouped GEMMs run (the routed rows: top_k
+    a token dropless, capacity's kept rows or every [E, C] slot), never every expert."""
     m, t, seq = cfg.model, layout.tensor, cfg.train.seq_len
     tokens = layout.micro_batch * seq / layout.context
-    layer = (2 * layer_params_local(cfg, t)
+    layer = (2 * layer_matmul_params(cfg, layout)
              + 4 * m.num_heads * m.resolved_head_dim * seq / t)
     chunk = tokens * ex.chunk_layers * layer
     head = tokens * 2 * m.hidden_size * padded_vocab(m.vocab_size, t) / t
     middle = 2 if ex.stages * ex.virtual_stages > 2 else 0
     return ex.steps * ((2 + middle + 2 + 3) * chunk + 3 * head)
+
+
+def layer_matmul_params(cfg: Config, layout: Layout) -> float:
+    """One layer's parameters a token multiplies per device (the layers' mean): the held ones,
+    with an MoE layer's E/ep held experts replaced by the rows per token its experts run."""
+    m, t = cfg.model, layout.tensor
+    held = layer_params_local(cfg, t, layout.expert)
+    if m.moe is None:
+        return held
+    frac = experts.moe_fraction(cfg)
+    routed = experts.rows_per_token(cfg) * 3 * m.hidden_size * m.expert_mlp_size / t
+    return held + frac * (routed - experts.expert_params_local(cfg, layout))
+
+
+def grouped_rows_share(cfg: Config, layout: Layout) -> float:
+    """The share of a grouped GEMM buffer's rows that are routed (load balanced): what the
+    executed FLOPs count of each grouped GEMM kernel (kernel_flops.grouped_gemm_flops_of)."""
+    if cfg.model.moe is None:
+        return 1.0
+    return experts.rows_per_token(cfg) / experts.buffer_rows_per_token(cfg, layout)
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -120,6 +143,7 @@ class DryRun:
     state_terms: dict = dataclasses.field(default_factory=dict)  # compiled_state_terms
     gpu_report: "gpu_program.GpuReport | None" = None   # with a GPU target
     attention: tuple = ()        # (the attention core compiled, why: attention.choose)
+    grouped_gemm: tuple = ()     # MoE: (the experts' grouped GEMM, why: setup.grouped_dot_for)
 
     @property
     def n_devices(self) -> int:
@@ -227,11 +251,17 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     chosen = attention.choose(scaled.model, sharding.platform(mesh),
                               sharding.compute_capability(mesh))
     flash = chosen[0] in ("pallas", "mosaic", "cudnn")
+    grouped = ()
+    if scaled.model.moe is not None:
+        from jaxtrain.executors.setup import grouped_dot_for
+        dot, why = grouped_dot_for(scaled.model, mesh)
+        grouped = ("mosaic" if dot.__module__.endswith("grouped_matmul") else "ragged_dot", why)
     est = estimate(scaled, layout_from_config(scaled, len(present)), gpu, flash=flash)
     with tempfile.TemporaryDirectory(prefix="jaxtrain-dump-") as dump:
         # the dumps hold each Pallas kernel's launch and PTX (registers, spills)
         extra = {"xla_dump_to": dump} if is_gpu and flash else None
-        mosaic_dir = f"{dump}/mosaic" if is_gpu and chosen[0] == "mosaic" else None
+        uses_mosaic = chosen[0] == "mosaic" or grouped[:1] == ("mosaic",)
+        mosaic_dir = f"{dump}/mosaic" if is_gpu and uses_mosaic else None
         with gpu_kernels.mosaic_dump(mosaic_dir):
             out = compile_step(scaled, mesh, extra_options=extra)
         report = None
@@ -257,6 +287,8 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                   estimate=est, memory=mem, collectives=colls,
                   matmul_flops=hlo.matmul_flops_from_text(out.text), xla_flops=xla_flops,
                   lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
-                  executed=pipeline_flops.executed_matmul_flops(out.text, *table),
+                  executed=pipeline_flops.executed_matmul_flops(
+                      out.text, *table, grouped_rows_share(scaled, est.layout)),
                   executed_wire=pipeline_flops.executed_wire_bytes(colls, runs),
-                  gpu_report=report, state_terms=state_terms, attention=chosen)
+                  gpu_report=report, state_terms=state_terms, attention=chosen,
+                  grouped_gemm=grouped)

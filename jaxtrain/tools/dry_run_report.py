@@ -46,6 +46,8 @@ def _layout_lines(r: DryRun) -> list[str]:
             f"{e.bubble:.1%} (Megatron), {e.lockstep_bubble:.1%} (the table)")
     if r.attention:
         out.append(f"  attention core: {r.attention[0]} ({r.attention[1]})")
+    if r.grouped_gemm:
+        out.append(f"  experts' grouped GEMM: {r.grouped_gemm[0]} ({r.grouped_gemm[1]})")
     out.append(f"  lowered in {r.lower_s:.1f} s, compiled in {r.compile_s:.1f} s from "
                "abstract parameters: nothing allocated")
     return out
@@ -198,6 +200,7 @@ def report_json(r: DryRun) -> dict:
         "config": r.config_name, "devices": r.n_devices, "device": r.device_kind,
         "layout": e.layout.short(), "changes": list(r.changes),
         "attention": dict(zip(("core", "why"), r.attention)),
+        "grouped_gemm": dict(zip(("impl", "why"), r.grouped_gemm)),
         "compiled": {"memory": r.memory, "state_terms": dict(r.state_terms),
                      "matmul_flops": r.matmul_flops,
                      "executed_matmul_flops": {

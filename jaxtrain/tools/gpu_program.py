@@ -195,6 +195,21 @@ def overlap_by_axis(acs: list[AsyncCollective], runs: dict | None = None
 
 # ----------------------------------------------------------------------------- the report
 
+_RAGGED_RE = re.compile(r"\bragged-all-to-all(-start|-done)?\(")
+
+
+def ragged_all_to_alls(text: str) -> tuple[int, int]:
+    """(async start/done pairs, synchronous ops) of ragged-all-to-all in a GPU program (the
+    expert dispatch's transport; hlo.KINDS leaves it out: its static shape is the receive
+    buffer's worst case, not the rows it moves). A start without its done raises."""
+    ops = [m.group(1) or "" for line in text.splitlines() if " = " in line
+           for m in [_RAGGED_RE.search(line.split(" = ", 1)[1])] if m]
+    starts, dones = ops.count("-start"), ops.count("-done")
+    if starts != dones:
+        raise ValueError(f"{starts} ragged-all-to-all-start but {dones} -done in the program")
+    return starts, ops.count("")
+
+
 @dataclasses.dataclass
 class GpuReport:
     """What the dry run adds for a GPU program (module docstring)."""
@@ -205,6 +220,7 @@ class GpuReport:
     total_bytes: int | None     # the compiled step's footprint per device
     xla_options: dict = dataclasses.field(default_factory=dict)  # what it compiled with
     runs: dict | None = None    # computation -> executions per step as a device runs it
+    ragged: tuple = (0, 0)      # ragged all-to-alls (the MoE dispatch): start/done pairs, sync
 
     @classmethod
     def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes,
@@ -216,7 +232,8 @@ class GpuReport:
         if mosaic and mosaic_dir is not None:
             ks += mosaic_kernels(mosaic_dir, mosaic)
         return cls(gemm_summary(gemms(text)), async_collectives(text, mesh, collectives), ks,
-                   device_memory, total_bytes, dict(xla_options or {}), runs)
+                   device_memory, total_bytes, dict(xla_options or {}), runs,
+                   ragged_all_to_alls(text))
 
     def overlap(self) -> dict:
         return overlap_by_axis(self.collectives, self.runs)
@@ -227,6 +244,8 @@ class GpuReport:
         for a in self.collectives:
             pairs, sync = out.get(a.collective.kind, (0, 0))
             out[a.collective.kind] = (pairs + a.is_async, sync + (not a.is_async))
+        if any(self.ragged):
+            out["ragged-all-to-all"] = self.ragged
         return out
 
     def fits(self) -> bool | None:

@@ -1,5 +1,6 @@
-"""The matmul FLOPs of a compiled op as a step executes them: GEMMs and dots (hlo.py), and
-the attention kernels whose matmuls no dot shows, counted as the dense attention's."""
+"""The matmul FLOPs of a compiled op as a step executes them: GEMMs and dots (hlo.py), the
+attention kernels whose matmuls no dot shows, counted as the dense attention's, and the MoE
+grouped GEMM kernels (kernels/grouped_matmul), counted by the routed rows they multiply."""
 from __future__ import annotations
 
 import re
@@ -53,6 +54,42 @@ def attention_kernel_flops_of(instr, comp) -> int:
     return matmuls * 2 * b * sq * sk * heads * d
 
 
-def executed_flops_of(instr, comp) -> int:
-    """Matmul FLOPs of an op: GEMMs and dots, and attention kernels as their dense matmuls."""
-    return hlo.matmul_flops_of(instr, comp) + attention_kernel_flops_of(instr, comp)
+# The grouped GEMM kernels (Mosaic GPU, by the kernel name in their op_name): rows x group
+# (forward, dX: result [M, N], lhs [M, K]) and per group (dW: result [G, K, N], lhs [M, K]
+# and dY [M, N]); either multiplies each of its M buffer rows that is in a group once.
+_GROUPED_RE = re.compile(r'custom_call_target="mosaic_gpu(?:_v2)?".*'
+                         r'jaxtrain_grouped_(rows|per_group)\b')
+_FLOAT_RE = re.compile(r"\b(?:bf16|f16|f32)\[([\d,]+)\]")
+
+
+def grouped_gemm_flops_of(instr, rows_share: float = 1.0) -> float:
+    """Matmul FLOPs of a grouped GEMM kernel call (0 for anything else): 2·M·K·N over its
+    buffer's M rows times `rows_share`, the share of them in a group (the kernels skip row
+    tiles in none). The share is data-dependent; the dry run passes the balanced load's:
+    under expert parallelism a rank's receive buffer holds every sender's worst case (ep
+    blocks of T·k rows) of which T·k (or capacity's kept rows) arrive."""
+    if instr.opcode != "custom-call":
+        return 0.0
+    kind = _GROUPED_RE.search(instr.attrs)
+    if kind is None:
+        return 0.0
+    operands = instr.attrs.split("operand_layout_constraints={", 1)[-1].split("}, api_version")[0]
+    two_d = [tuple(map(int, m.split(","))) for m in _FLOAT_RE.findall(operands)
+             if m.count(",") == 1]
+    result = tuple(map(int, _FLOAT_RE.search(instr.shape).group(1).split(",")))
+    if not two_d or len(result) != (2 if kind.group(1) == "rows" else 3):
+        raise hlo_module.HloParseError(f"grouped GEMM kernel %{instr.name} in its HLO: no "
+                                       "[M, K] operand or result of the kernel's rank")
+    m = two_d[0][0]
+    if kind.group(1) == "rows":
+        k, n = two_d[0][1], result[1]
+    else:
+        k, n = result[1], result[2]
+    return 2.0 * m * k * n * rows_share
+
+
+def executed_flops_of(instr, comp, grouped_rows_share: float = 1.0) -> float:
+    """Matmul FLOPs of an op: GEMMs and dots, attention kernels as their dense matmuls, the
+    grouped GEMM kernels by their routed rows (grouped_gemm_flops_of)."""
+    return (hlo.matmul_flops_of(instr, comp) + attention_kernel_flops_of(instr, comp)
+            + grouped_gemm_flops_of(instr, grouped_rows_share))
