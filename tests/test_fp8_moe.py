@@ -1,0 +1,128 @@
+"""FP8 for the MoE experts: the per-expert grouped GEMM against the dense FP8 formulas, the
+per-expert meta update, and tiny FP8 MoE models through the trainer."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.config import Fp8Config
+from jaxtrain.model import fp8, fp8_grouped, fp8_matmul
+
+RECIPE = fp8_matmul.recipe_of(Fp8Config(enabled=True, amax_history_len=4))
+DN = (((1,), (0,)), ((), ()))    # x_MK @ w_KF
+
+
+def per_expert_meta(e, seed=0):
+    """Per-expert metas with distinct scales, so a row quantized with the wrong expert's scale
+    shows."""
+    rng = np.random.default_rng(seed)
+    meta = fp8_matmul.init_meta(RECIPE, (e,))
+
+    def scaled(role, lo, hi):
+        s = jnp.asarray(rng.uniform(lo, hi, e), jnp.float32)
+        return fp8_matmul.TensorMeta(s, 1.0 / s, role.amax_history)
+    return fp8_matmul.Fp8Meta(scaled(meta.x, 20, 200), scaled(meta.w, 200, 2000),
+                              scaled(meta.g, 1e3, 1e4))
+
+
+def slice_meta(meta, e):
+    return jax.tree.map(lambda a: a[e], meta)
+
+
+def grouped_loss(x, w, sizes, meta, dy):
+    y = fp8_grouped.fp8_grouped_dot(x, w, sizes, meta=meta, recipe=RECIPE,
+                                    grouped_dot=jax.lax.ragged_dot)
+    return jnp.sum(y * dy)
+
+
+def reference_loss(x, w, sizes, meta, dy):
+    """Expert by expert: its rows through the dense FP8 matmul with its own meta."""
+    total, start = 0.0, 0
+    for e, n in enumerate(np.asarray(sizes)):
+        if n:
+            y = fp8_matmul.fp8_dot_general(x[start:start + n], w[e], DN,
+                                           meta=slice_meta(meta, e), cfg=RECIPE)
+            total = total + jnp.sum(y * dy[start:start + n])
+        start += n
+    return total
+
+
+def operands(sizes, rows=None, k=32, f=64, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = rows or int(sum(sizes))
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(len(sizes), k, f)) * 0.1, jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(rows, f)) * 1e-2, jnp.float32)
+    return x, w, jnp.asarray(sizes, jnp.int32), dy
+
+
+@pytest.mark.parametrize("sizes", [(5, 3, 0, 8), (1, 0, 0, 15)])
+def test_grouped_fp8_equals_the_dense_formulas_per_expert_forward_and_gradients(sizes):
+    x, w, sizes, dy = operands(sizes)
+    meta = per_expert_meta(len(sizes))
+    got = jax.jit(jax.value_and_grad(grouped_loss, argnums=(0, 1, 3)))(x, w, sizes, meta, dy)
+    want = jax.value_and_grad(reference_loss, argnums=(0, 1, 3))(x, w, sizes, meta, dy)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1][0], want[1][0], rtol=1e-5, atol=1e-7)   # dX
+    # dW: experts with rows as their dense matmul; an empty expert's is zero
+    for e, n in enumerate(np.asarray(sizes)):
+        if n:
+            np.testing.assert_allclose(got[1][1][e], want[1][1][e], rtol=1e-5, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(got[1][1][e], 0.0)
+    # the observations: each expert's amaxes from its own rows (count 1, amax in slot 0)
+    obs, ref = got[1][2], want[1][2]
+    for e, n in enumerate(np.asarray(sizes)):
+        if n:
+            for role in ("x", "w", "g"):
+                np.testing.assert_allclose(getattr(obs, role).amax_history[e, 0],
+                                           getattr(ref, role).amax_history[e, 0], rtol=1e-6)
+        else:   # no routed rows: x and g observed empty (amax 0), w as always
+            assert obs.x.amax_history[e, 0] == 0 and obs.g.amax_history[e, 0] == 0
+            np.testing.assert_allclose(obs.w.amax_history[e, 0], jnp.max(jnp.abs(w[e])))
+        assert all(getattr(obs, role).scale[e] == 1 for role in ("x", "w", "g"))
+
+
+def test_the_rows_past_the_groups_are_neither_observed_nor_written():
+    """Expert parallelism's receive buffer pads after the routed rows: a huge padding row
+    must not become an expert's amax, and its output is zero."""
+    x, w, sizes, dy = operands((3, 2, 0, 1), rows=9)
+    x = x.at[6:].set(1e4)
+    meta = per_expert_meta(4)
+    y = fp8_grouped.fp8_grouped_dot(x, w, sizes, meta=meta, recipe=RECIPE,
+                                    grouped_dot=jax.lax.ragged_dot)
+    np.testing.assert_array_equal(y[6:], 0.0)
+    obs = jax.grad(grouped_loss, argnums=3)(x, w, sizes, meta, dy)
+    assert float(jnp.max(obs.x.amax_history[:, 0])) < 10
+    np.testing.assert_allclose(obs.x.amax_history[3, 0], jnp.max(jnp.abs(x[5])), rtol=1e-6)
+
+
+def test_per_expert_update_rolls_every_history_and_keeps_an_empty_experts_scale():
+    """The converter's update, per expert: a routed expert's scale follows its own amax; an
+    expert with no rows (amax 0 this step) rolls its history with the others and keeps the
+    scale its window gives (the old one while the window is all zero)."""
+    x, w, sizes, dy = operands((6, 0, 10, 0))
+    conv = fp8.Fp8Converter(RECIPE)
+    meta = fp8_matmul.init_meta(RECIPE, (4,))
+    meta = meta.replace(x=meta.x.replace(amax_history=meta.x.amax_history.at[3, 2].set(2.0)))
+    obs = jax.grad(grouped_loss, argnums=3)(x, w, sizes, meta, dy)
+    new = conv.update(meta, obs)
+    for e, start, n in ((0, 0, 6), (2, 6, 10)):
+        amax = float(jnp.max(jnp.abs(x[start:start + n])))
+        np.testing.assert_allclose(new.x.scale[e], 448.0 / amax, rtol=1e-6)
+        np.testing.assert_allclose(new.x.amax_history[e, -1], amax, rtol=1e-6)
+    assert new.x.scale[1] == 1.0                       # window all zero: old scale kept
+    np.testing.assert_array_equal(new.x.amax_history[1], 0.0)
+    # expert 3's window still holds an older amax 2.0 (rolled one slot on): the scale follows it
+    np.testing.assert_allclose(new.x.scale[3], 448.0 / 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(new.x.amax_history[3], [0.0, 2.0, 0.0, 0.0])
+    assert np.all(np.isfinite(np.asarray(new.g.scale)))
+
+
+def test_a_non_per_expert_meta_is_refused_with_the_fix():
+    x, w, sizes, _ = operands((2, 2))
+    with pytest.raises(fp8_matmul.Fp8Error, match="per-expert metas"):
+        fp8_grouped.fp8_grouped_dot(x, w, sizes, meta=fp8_matmul.init_meta(RECIPE),
+                                    recipe=RECIPE, grouped_dot=jax.lax.ragged_dot)
