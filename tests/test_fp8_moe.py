@@ -126,3 +126,69 @@ def test_a_non_per_expert_meta_is_refused_with_the_fix():
     with pytest.raises(fp8_matmul.Fp8Error, match="per-expert metas"):
         fp8_grouped.fp8_grouped_dot(x, w, sizes, meta=fp8_matmul.init_meta(RECIPE),
                                     recipe=RECIPE, grouped_dot=jax.lax.ragged_dot)
+
+
+# ----------------------------------------------------------------------------- through train.py
+
+import json          # noqa: E402
+import pathlib       # noqa: E402
+
+from jaxtrain import trainer                          # noqa: E402
+from jaxtrain.checkpoint import Checkpointer          # noqa: E402
+from jaxtrain.config import CheckpointConfig, load_config  # noqa: E402
+from jaxtrain.executors import setup as setup_lib     # noqa: E402
+from jaxtrain.parallel import sharding                # noqa: E402
+from util import TINY_MOE, logged_losses, metric_records, train_on_one_device  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 4
+# configs/tiny.py (fp32 compute) made small, every layer 8 experts top-2, FP8 on.
+TRAIN_ARGS = [f"--train.steps={STEPS}", "--train.log_every=1", "--train.eval_every=0",
+              "--model.num_layers=2", "--train.seq_len=32", "--data.corpus_max_bytes=400000",
+              "--checkpoint.async_save=false", "--model.vocab_size=512", *TINY_MOE,
+              "--model.moe.shared_experts=1", "--fp8.enabled=true", "--fp8.amax_history_len=4"]
+LAYOUTS = {"expert2_data8": ["--parallel.data=8", "--parallel.expert=2"],
+           "stage2_data4": ["--parallel.data=4", "--parallel.stage=2",
+                            "--parallel.microbatches=2"]}
+
+
+def _losses(workdir):
+    return {r["step"]: r["loss"] for r in metric_records(workdir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("fp8_moe_one_device")
+    train_on_one_device("configs/tiny.py", TRAIN_ARGS, workdir)
+    return workdir
+
+
+def _train(workdir, *extra):
+    cfg = load_config(ROOT / "configs/tiny.py", [*TRAIN_ARGS, *extra,
+                                                 f"--train.workdir={workdir}"])
+    trainer.train(cfg)
+    return cfg
+
+
+def test_fp8_moe_trains_on_one_device_with_falling_loss_and_per_expert_scales(one_device):
+    losses = _losses(one_device)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(np.isfinite(list(losses.values())))
+    assert losses[STEPS] < losses[1]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp8_moe_layout_trains_as_one_device(one_device, tmp_path, layout):
+    cfg = _train(tmp_path, *LAYOUTS[layout])
+    got, want = _losses(tmp_path), _losses(one_device)
+    assert sorted(got) == sorted(want)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
+                               rtol=1e-4)
+    # the final metas: per expert ([layers, experts]) and trained (no longer the initial 1)
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel))
+    ckpt = Checkpointer(tmp_path / "checkpoints", CheckpointConfig())
+    metas = ckpt.restore(STEPS, setup.abstract_train_state)[0].fp8_meta
+    ckpt.close()
+    w_scale = np.asarray(metas["blocks"]["moe"]["fp8_up"].w.scale)
+    assert w_scale.shape == (2, 8) and (w_scale != 1.0).all()
+    assert len(np.unique(w_scale)) > 8    # one scale per expert, not one shared
