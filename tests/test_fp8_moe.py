@@ -179,6 +179,12 @@ def test_fp8_moe_trains_on_one_device_with_falling_loss_and_per_expert_scales(on
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fp8_moe_layout_trains_as_one_device(one_device, tmp_path, layout):
+    """The layout's run is the one device's; the expert-parallel one stops after step 2 and
+    resumes from its checkpoint, so its steps 3-4 run on the restored per-expert metas (fresh
+    metas, scale 1, would quantize differently)."""
+    if layout.startswith("expert"):
+        _train(tmp_path, *LAYOUTS[layout], "--train.exit_interval=2")
+        assert max(_losses(tmp_path)) == 2
     cfg = _train(tmp_path, *LAYOUTS[layout])
     got, want = _losses(tmp_path), _losses(one_device)
     assert sorted(got) == sorted(want)
@@ -192,3 +198,36 @@ def test_fp8_moe_layout_trains_as_one_device(one_device, tmp_path, layout):
     w_scale = np.asarray(metas["blocks"]["moe"]["fp8_up"].w.scale)
     assert w_scale.shape == (2, 8) and (w_scale != 1.0).all()
     assert len(np.unique(w_scale)) > 8    # one scale per expert, not one shared
+
+
+# ----------------------------------------------------------------------------- compiled for H100
+
+@pytest.mark.gpu_compile
+def test_the_fp8_moe_layer_compiles_for_an_h100_on_the_grouped_gemm_kernels(h100):
+    """With FP8 on the GPU path quantizes each expert's rows and weights to FP8 (E4M3
+    forward, E5M2 gradients) and runs the grouped product on the Mosaic GPU kernels in bf16
+    on the FP8-rounded values (3 forward, 6 backward): no FP8 GEMM, no dense GEMM but the
+    router's (docs/design.md, "FP8 for the MoE experts")."""
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+    from jaxtrain.tools import hlo
+    from jaxtrain.config import ModelConfig, MoeConfig
+    from jaxtrain.model import llama, moe
+    from jaxtrain.model.kernels import grouped_matmul as gm
+    sh = SingleDeviceSharding(h100(1)[0])
+    t, d, f, e = 512, 256, 512, 8
+    cfg = ModelConfig(hidden_size=d, compute_dtype="bfloat16", num_layers=1,
+                      moe=MoeConfig(num_experts=e, top_k=2, mlp_size=f))
+    ops = llama.Ops(grouped_dot=gm.grouped_matmul, fp8=fp8.Fp8Converter(RECIPE))
+    layer = nnx.eval_shape(lambda: moe.MoeLayer(cfg, ops, nnx.Rngs(0)))
+    graphdef, state = nnx.split(layer)
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state)
+    x = jax.ShapeDtypeStruct((1, t, d), jnp.bfloat16, sharding=sh)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x, fp8=True)[0].astype(jnp.float32) ** 2)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile().as_text()
+    assert text.count('custom_call_target="mosaic_gpu_v2"') == 9
+    assert "f8e4m3fn" in text and "f8e5m2" in text
+    assert "__cublas$lt$matmul$f8" not in text
+    assert hlo.matmul_flops_from_text(text) == pytest.approx(3 * 2 * t * d * e, rel=0.01)
