@@ -128,6 +128,18 @@ def test_a_non_per_expert_meta_is_refused_with_the_fix():
                                     recipe=RECIPE, grouped_dot=jax.lax.ragged_dot)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.moe.dispatch=capacity", "--model.moe.pad_to_capacity=true"],
+     "fp8.enabled=true with model.moe.pad_to_capacity=true: .*set model.moe.pad_to_capacity"),
+    (["--fp8.bf16_first_layers=1"], "an MoE model runs every layer in FP8; set both to 0"),
+])
+def test_fp8_moe_configs_it_cannot_run_are_one_line_errors(overrides, message):
+    from jaxtrain.config import ConfigError
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config("configs/tiny.py", [*TINY_MOE, "--fp8.enabled=true", *overrides])
+    assert "\n" not in str(err.value)
+
+
 # ----------------------------------------------------------------------------- through train.py
 
 import json          # noqa: E402
