@@ -61,7 +61,8 @@ class Ops:
     `grouped_dot(x_ND, w_EDF, group_sizes_E) -> y_NF` is the MoE experts' grouped GEMM
     (lax.ragged_dot's contract; on Hopper kernels.grouped_matmul); `dispatch` brings the
     tokens to the experts and back (moe.local_dispatch's contract; expert parallelism puts
-    its all-to-alls there). `fp8` says which
+    its all-to-alls there, and `local_experts(tree, num_experts)` slices per-expert FP8 metas
+    to the rank's experts). `fp8` says which
     projections run in FP8 and owns their metas (default: FP8 off).
     """
     dot_general: DotGeneral = jax.lax.dot_general
