@@ -289,9 +289,9 @@ def test_remat_runners_carry_the_stats():
         _close(other, results[0])
 
 
-def test_moe_model_refuses_fp8():
+def test_moe_model_refuses_fp8_with_bf16_layer_ranges():
     from jaxtrain.config import Fp8Config
     from jaxtrain.model import fp8
-    ops = model_lib.Ops(fp8=fp8.Fp8Converter.of(Fp8Config(enabled=True)))
-    with pytest.raises(ValueError, match="no FP8 path"):
+    ops = model_lib.Ops(fp8=fp8.Fp8Converter.of(Fp8Config(enabled=True, bf16_first_layers=1)))
+    with pytest.raises(ValueError, match="runs every layer in FP8"):
         nnx.eval_shape(lambda: _moe_llama(ops))

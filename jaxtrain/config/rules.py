@@ -195,8 +195,9 @@ def check_moe(m: ModelConfig, fp8_enabled: bool = False) -> None:
            "(1.0: each expert takes its even share of the tokens)")
     _check(not e.pad_to_capacity or e.dispatch == "capacity", "model.moe.pad_to_capacity=true "
            "needs model.moe.dispatch=capacity (dropless has no capacity to pad to)")
-    _check(not fp8_enabled, "fp8.enabled=true with model.moe: the experts' grouped GEMMs have "
-           "no FP8 path yet (per-expert scaling); turn fp8 off for MoE models")
+    _check(not (fp8_enabled and e.pad_to_capacity), "fp8.enabled=true with "
+           "model.moe.pad_to_capacity=true: the padded [experts, capacity] buffers have no FP8 "
+           "path (FP8 runs the grouped GEMM); set model.moe.pad_to_capacity=false")
 
 
 def check_expert(m: ModelConfig, p: ParallelConfig, data: int = 0) -> None:
@@ -271,6 +272,10 @@ def validate(cfg: Config) -> None:
     check_fp8(f)
     _check(f.bf16_first_layers >= 0 and f.bf16_last_layers >= 0,
            "fp8.bf16_first_layers and fp8.bf16_last_layers must be >= 0")
+    _check(m.moe is None or not f.enabled or not (f.bf16_first_layers or f.bf16_last_layers),
+           f"fp8.bf16_first_layers={f.bf16_first_layers} and fp8.bf16_last_layers="
+           f"{f.bf16_last_layers} with model.moe: an MoE model runs every layer in FP8; set "
+           "both to 0")
     _check(f.bf16_first_layers + f.bf16_last_layers <= m.num_layers,
            f"fp8.bf16_first_layers={f.bf16_first_layers} + fp8.bf16_last_layers="
            f"{f.bf16_last_layers} exceeds model.num_layers={m.num_layers}; lower them")

@@ -90,15 +90,21 @@ class PipelineModel:
 
     def expert_dims(self, chunks):
         """Per leaf of (chunks, modes): its experts' dim in the chunk layout [p, v, Lc, ...]
-        (the layer-stacked dim 0 becomes three), or None. Without MoE every leaf's is None
-        (the chunks may carry FP8 metas beside the params: FP8 with MoE is refused)."""
-        structure = jax.tree.structure(chunks)
-        if not self.moe:
-            return jax.tree.unflatten(structure, [None] * structure.num_leaves), None
-        dims = [None if d is None else d + 2 for d in (
-            sharding.expert_dim(n) for n in jax.tree.leaves(
-                self.setup.logical["blocks"], is_leaf=lambda x: isinstance(x, P)))]
-        return jax.tree.unflatten(structure, dims), None
+        (the layer-stacked dim 0 becomes three), or None. Matched by path: the chunks carry
+        the FP8 metas beside the params, and those (the experts' per-expert ones included) are
+        replicated like every FP8 meta, so their dim is None."""
+        logical = {tuple(k.key for k in path): spec for path, spec in
+                   jax.tree_util.tree_flatten_with_path(
+                       self.setup.logical["blocks"] if self.moe else {},
+                       is_leaf=lambda x: isinstance(x, P))[0]}
+
+        def dim(path):
+            spec = logical.get(tuple(k.key for k in path
+                                     if isinstance(k, jax.tree_util.DictKey)))
+            d = None if spec is None else sharding.expert_dim(spec)
+            return None if d is None else d + 2
+        paths, structure = jax.tree_util.tree_flatten_with_path(chunks)
+        return jax.tree.unflatten(structure, [dim(path) for path, _ in paths]), None
 
     def _with_stats(self, sums):
         """The head's LossSums, with the chunks' MoeStats (summed over every F) as its aux."""

@@ -61,7 +61,8 @@ class Ops:
     `grouped_dot(x_ND, w_EDF, group_sizes_E) -> y_NF` is the MoE experts' grouped GEMM
     (lax.ragged_dot's contract; on Hopper kernels.grouped_matmul); `dispatch` brings the
     tokens to the experts and back (moe.local_dispatch's contract; expert parallelism puts
-    its all-to-alls there). `fp8` says which
+    its all-to-alls there, and `local_experts(tree, num_experts)` slices per-expert FP8 metas
+    to the rank's experts). `fp8` says which
     projections run in FP8 and owns their metas (default: FP8 off).
     """
     dot_general: DotGeneral = jax.lax.dot_general
@@ -207,7 +208,7 @@ class Block(nnx.Module):
         x_BSD = x_BSD + c(self.attn(h_BSD, cos, sin, segment_ids_BS, fp8), residual)
         h_BSD = c(checkpoint_name(self.mlp_norm(x_BSD), "mlp_norm"), residual)
         if self.is_moe:
-            y_BSD, stats = self.moe(h_BSD)
+            y_BSD, stats = self.moe(h_BSD, fp8)
             return x_BSD + c(y_BSD, residual), stats
         return x_BSD + c(self.mlp(h_BSD, fp8), residual)
 
@@ -243,9 +244,9 @@ class Llama(nnx.Module):
         # kinds keeps its dense layers in `dense_blocks` (stack.py runs the two as groups).
         kinds = cfg.moe_layers
         self.has_moe = any(kinds)
-        if self.has_moe:
-            ops.fp8.refuse("Ops.fp8 with model.moe: the experts' grouped GEMMs have no FP8 "
-                           "path yet; build the MoE model without FP8")
+        if self.has_moe and (ops.fp8.bf16_first or ops.fp8.bf16_last):
+            ops.fp8.refuse("Ops.fp8 with model.moe runs every layer in FP8: set "
+                           "fp8.bf16_first_layers=0 and fp8.bf16_last_layers=0")
         self.blocks = _stack(cfg, ops, rngs, sum(kinds) or cfg.num_layers, moe=self.has_moe)
         if self.has_moe and not all(kinds):
             self.dense_blocks = _stack(cfg, ops, rngs, kinds.count(False), moe=False)
@@ -289,7 +290,8 @@ class Llama(nnx.Module):
         scales)."""
         cos, sin = rope_tables(self.cfg, positions_BS)
         if self.has_moe:
-            return self._run_moe_stack(x_BSD, cos, sin, segment_ids_BS)
+            return self._run_moe_stack(x_BSD, cos, sin, segment_ids_BS,
+                                       use_fp8 and self.ops.fp8.recipe is not None)
         apply, state = self.block_fn()
         n = self.cfg.num_layers
         for start, stop, span_fp8 in self.ops.fp8.layer_spans(n):
@@ -301,9 +303,10 @@ class Llama(nnx.Module):
             x_BSD = self._runner(start, stop)(block_fn, x_BSD, part)
         return x_BSD
 
-    def _run_moe_stack(self, x_BSD, cos, sin, segment_ids_BS):
+    def _run_moe_stack(self, x_BSD, cos, sin, segment_ids_BS, fp8: bool = False):
         """The stack as stack.py's groups. Groups holding MoE layers carry (x, MoeStats);
-        groups of dense layers only carry x."""
+        groups of dense layers only carry x. `fp8`: every layer in FP8 (with MoE the FP8
+        converter has one layer range, fp8.bf16_first/last_layers being 0)."""
         kinds = self.cfg.moe_layers
         moe_apply, moe_state = self.block_fn()
         states, rows = {stack_lib.MOE: moe_state}, {stack_lib.MOE: sum(kinds)}
@@ -313,11 +316,11 @@ class Llama(nnx.Module):
 
         def moe_layer(s, carry):
             x, stats = carry
-            x, layer_stats = moe_apply(s, x, cos, sin, segment_ids_BS)
+            x, layer_stats = moe_apply(s, x, cos, sin, segment_ids_BS, fp8)
             return x, stats + layer_stats
 
         def dense_layer(s, x):
-            return dense_apply(s, x, cos, sin, segment_ids_BS)
+            return dense_apply(s, x, cos, sin, segment_ids_BS, fp8)
 
         apply = {stack_lib.MOE: moe_layer,
                  stack_lib.DENSE: lambda s, carry: (dense_layer(s, carry[0]), carry[1])}

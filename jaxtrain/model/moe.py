@@ -41,6 +41,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.config import ModelConfig, MoeConfig
+from jaxtrain.model.fp8_grouped import fp8_grouped_dot
 from jaxtrain.model.layers import normal, param, swiglu
 from jaxtrain.model.loss import Mean
 
@@ -288,14 +289,37 @@ class MoeLayer(nnx.Module):
                           ("experts", "embed", "mlp"), pdt)
         self.w_down = param(rngs, normal(1.0 / math.sqrt(f * 2 * cfg.num_layers)), (n, f, d),
                             ("experts", "mlp", "embed"), pdt)
+        if e.pad_to_capacity:
+            ops.fp8.refuse("Ops.fp8 with model.moe.pad_to_capacity: the [experts, capacity] "
+                           "buffers have no FP8 path; set model.moe.pad_to_capacity=false")
+        # FP8 (None when off): one meta per expert per projection, stacked [E] like the weights
+        self.fp8_gate, self.fp8_up, self.fp8_down = (ops.fp8.new_meta((n,)) for _ in range(3))
         self.shared = shared
         self.moe_cfg = e
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.ops = ops
 
-    def __call__(self, x_BSD) -> tuple[jax.Array, MoeStats]:
+    def _grouped_matmul(self, fp8: bool, group_sizes):
+        """(x, w) -> the experts' grouped product; in FP8 `w` is (weights, per-expert meta),
+        the meta sliced to the experts the weights hold (this rank's under expert
+        parallelism: `Ops.dispatch.local_experts`)."""
+        if not fp8:
+            return lambda x, w: self.ops.grouped_dot(x, w, group_sizes)
+        recipe = self.ops.fp8.recipe
+
+        def matmul(x, w_meta):
+            w, meta = w_meta
+            if meta.x.scale.shape[0] != w.shape[0]:
+                meta = self.ops.dispatch.local_experts(meta, meta.x.scale.shape[0])
+            return fp8_grouped_dot(x, w, group_sizes, meta=meta, recipe=recipe,
+                                   grouped_dot=self.ops.grouped_dot, name="blocks/moe/experts")
+        return matmul
+
+    def __call__(self, x_BSD, fp8: bool = False) -> tuple[jax.Array, MoeStats]:
         """x_BSD: the norm output. Returns the layer's output (compute dtype, its auxiliary
-        losses attached) and this pass's MoeStats."""
+        losses attached) and this pass's MoeStats. `fp8`: the experts' grouped GEMMs (and the
+        shared experts' projections) in FP8 with their per-expert metas; the router stays
+        fp32."""
         e, c = self.moe_cfg, self.ops.constrain
         x_BSD = c(x_BSD, ("batch", "sequence", "embed"))
         b, s, d = x_BSD.shape
@@ -316,14 +340,18 @@ class MoeLayer(nnx.Module):
             y_ECD = expert_swiglu(x_ECD, *weights, _batched)
             y_TD = from_capacity(y_ECD, experts_TK, slot_TK, weights_TK)
         else:   # dropless, or the kept rows sorted the same way (weights: this rank's experts)
+            if fp8:
+                metas = [self.ops.fp8.meta_value(m) for m in (self.fp8_gate, self.fp8_up,
+                                                              self.fp8_down)]
+                weights = list(zip(weights, metas))
+
             def experts_fn(x_ND, group_sizes):
-                return expert_swiglu(x_ND, *weights, lambda x, w: self.ops.grouped_dot(
-                    x, w, group_sizes))
+                return expert_swiglu(x_ND, *weights, self._grouped_matmul(fp8, group_sizes))
             y_TD = self.ops.dispatch(x_TD, experts_TK, weights_TK, keep_TK, e.num_experts,
                                      experts_fn)
         y_BSD = y_TD.reshape(b, s, d).astype(self.compute_dtype)
         if self.shared is not None:
-            y_BSD = y_BSD + checkpoint_name(self.shared(x_BSD), "shared_experts")
+            y_BSD = y_BSD + checkpoint_name(self.shared(x_BSD, fp8), "shared_experts")
         stats = layer_stats(routing, e, dropped)
         if e.aux_loss_coeff or e.z_loss_coeff:
             y_BSD = attach_loss(y_BSD, stats.loss)

@@ -99,6 +99,14 @@ class ExpertParallelDispatch:
     expert: int             # the expert degree (ep)
     transport: str = "fixed"
 
+    def local_experts(self, tree, num_experts: int):
+        """A tree of [num_experts, ...] leaves (the layer's per-expert FP8 metas, replicated)
+        sliced to this rank's experts; autodiff scatters the slice's cotangents back, zero
+        (an unused observation) at the other ranks' experts."""
+        local = num_experts // self.expert
+        first = jax.lax.axis_index(EXPERT) * local
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, local, 0), tree)
+
     def __call__(self, x_TD, experts_TK, weights_TK, keep_TK, num_experts: int,
                  experts_fn: Callable):
         ep, move = self.expert, TRANSPORTS[self.transport]
