@@ -19,7 +19,8 @@ from jaxtrain.executors import setup as setup_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import moe, moe_balance, router
 from jaxtrain.parallel import sharding
-from util import random_batch, random_params, tiny_moe_config, train_on_one_device
+from util import (logged_losses, metric_records, random_batch, random_params, tiny_moe_config,
+                  train_on_one_device)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F32 = jnp.float32
@@ -186,47 +187,71 @@ def _bias(params):
     return np.asarray(params["blocks"]["moe"]["expert_bias"])
 
 
+def _two_steps(*layout):
+    """The bias before and after each of two train steps from random_params (its bias
+    N(0, 0.1²)) on `layout`, checking on the way that its gradient is 0 and that every device
+    holding the same rows of it holds the same values."""
+    cfg = tiny_moe_config("--model.vocab_size=512", "--train.global_batch=16", *BIAS_ARGS,
+                          *layout)
+    p = cfg.parallel
+    setup = setup_lib.build(cfg, sharding.make_mesh(p, jax.devices()[
+        :p.data * p.fsdp * p.tensor * p.stage]))
+    state = setup_lib.train_state_from_params(setup, random_params(setup))
+    _, _, grads, _ = step.make_grad_step(setup)(state.params, random_batch(cfg, 0), {})
+    assert not np.any(_bias(jax.device_get(grads)))
+    train = step.make_train_step(setup, donate=False)
+    biases = [_bias(jax.device_get(state.params))]
+    for i in range(2):
+        state, _ = train(state, random_batch(cfg, i))
+        leaf = state.params["blocks"]["moe"]["expert_bias"]
+        by_rows = {}
+        for shard in leaf.addressable_shards:
+            by_rows.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+        for copies in by_rows.values():   # every rank's copy of the same rows is the same
+            assert all(np.array_equal(copies[0], c) for c in copies[1:])
+        biases.append(_bias(jax.device_get(state.params)))
+    return biases
+
+
 def test_the_train_step_moves_the_bias_alike_on_every_rank_and_as_on_one_device():
-    """Two train steps with experts over 2 of 8 ranks and on one device, from the same params
-    and batches: the bias moves by ±rate (or 0) per expert, identically on every rank and as
-    on one device; its gradient is 0; the loss's other gradients stay finite."""
-    def run(*layout):
-        cfg = tiny_moe_config("--model.vocab_size=512", "--train.global_batch=16", *BIAS_ARGS,
-                              *layout)
-        setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[
-            :cfg.parallel.data * cfg.parallel.fsdp * cfg.parallel.tensor]))
-        state = setup_lib.train_state_from_params(setup, random_params(setup))
-        _, _, grads, _ = step.make_grad_step(setup)(state.params, random_batch(cfg, 0), {})
-        assert not np.any(_bias(jax.device_get(grads)))
-        train = step.make_train_step(setup, donate=False)
-        biases = [_bias(jax.device_get(state.params))]   # random_params: N(0, 0.1²)
-        for i in range(2):
-            state, _ = train(state, random_batch(cfg, i))
-            leaf = state.params["blocks"]["moe"]["expert_bias"]
-            shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-            assert all(np.array_equal(shards[0], s) for s in shards[1:])   # every rank's
-            biases.append(np.asarray(leaf))
-        return biases
-    got, want = run("--parallel.data=8", "--parallel.expert=2"), run("--parallel.data=1")
+    """Experts over 2 of 8 data ranks against one device, from the same params and batches:
+    each step moves every bias entry by +-rate or 0, on every rank as on one device."""
+    got, want = _two_steps("--parallel.data=8", "--parallel.expert=2"), _two_steps(
+        "--parallel.data=1")
     steps = np.round(np.diff(want, axis=0) / 0.01, 4)
     assert set(np.unique(steps)) <= {-1.0, 0.0, 1.0} and np.any(steps)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
+def test_the_pipelined_step_moves_the_bias_as_on_one_device():
+    """Stage 2 (2 microbatches) with experts over 2 ranks: the loads reach the bias through
+    the pipeline executor's gradient sums as through the replica executor's."""
+    got = _two_steps("--parallel.data=4", "--parallel.expert=2", "--parallel.stage=2",
+                     "--parallel.microbatches=2")
+    for a, b in zip(got, _two_steps("--parallel.data=1")):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_the_bias_survives_a_restart_bit_for_bit(tmp_path):
-    common = ("--train.steps=4", "--checkpoint.every=2", "--checkpoint.async_save=false",
+    """Steps 1-2 straight, and step 1, a restart, step 2: the bias each checkpoint holds and
+    the logged losses are the same bits (the bias moved at each step, so a restart that lost
+    it, or restored it as zeros, would differ)."""
+    common = ("--train.steps=2", "--checkpoint.every=1", "--checkpoint.async_save=false",
               "--model.vocab_size=512", *BIAS_ARGS)
     trainer.train(tiny_moe_config(*common, workdir=str(tmp_path / "a")))
-    stopped = tiny_moe_config(*common, "--train.exit_interval=2", workdir=str(tmp_path / "b"))
+    stopped = tiny_moe_config(*common, "--train.exit_interval=1", workdir=str(tmp_path / "b"))
     trainer.train(stopped)
-    mid = _bias(read_saved_params(tmp_path / "b" / "checkpoints" / "2"))
+    mid = _bias(read_saved_params(tmp_path / "b" / "checkpoints" / "1"))
     assert np.any(mid)
-    trainer.train(stopped)   # resumes at 2
-    a = _bias(read_saved_params(tmp_path / "a" / "checkpoints" / "4"))
-    b = _bias(read_saved_params(tmp_path / "b" / "checkpoints" / "4"))
+    trainer.train(stopped)   # resumes at 1
+    a = _bias(read_saved_params(tmp_path / "a" / "checkpoints" / "2"))
+    b = _bias(read_saved_params(tmp_path / "b" / "checkpoints" / "2"))
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, mid)
+    la, lb = logged_losses(tmp_path / "a"), logged_losses(tmp_path / "b")
+    assert sorted(la) == sorted(lb) == [1, 2] and la == lb   # bit-exact
 
 
 @pytest.mark.parametrize("override, match", [
@@ -256,7 +281,6 @@ def test_expert2_with_the_sigmoid_router_and_the_bias_trains_as_one_device(tmp_p
     train_on_one_device("configs/tiny.py", args, tmp_path / "one")
     trainer.train(load_config(ROOT / "configs/tiny.py", [
         *args, "--parallel.data=8", "--parallel.expert=2", f"--train.workdir={tmp_path / 'ep'}"]))
-    from util import metric_records
     one, ep = ({r["step"]: r for r in metric_records(tmp_path / d) if "loss" in r}
                for d in ("one", "ep"))
     assert sorted(one) == sorted(ep) == [1, 2, 3]
