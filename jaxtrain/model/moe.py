@@ -110,8 +110,8 @@ class MoeStats(NamedTuple):
         return MoeStats(*(a + b for a, b in zip(self, other)))
 
 
-def layer_stats(routing: Routing, e: MoeConfig, dropped, batch: int) -> MoeStats:
-    """One layer pass's MoeStats over its `batch` sequences."""
+def layer_stats(routing: Routing, e: MoeConfig, dropped, batch: int = 1) -> MoeStats:
+    """One layer pass's MoeStats over its `batch` sequences (the tokens, `batch` x S)."""
     counts_E = tokens_per_expert(routing.experts_TK, e.num_experts)
     t = routing.experts_TK.shape[0]
     lb = load_balancing_loss(routing.scores_TE, counts_E, e.top_k)
