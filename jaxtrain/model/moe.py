@@ -1,6 +1,7 @@
 """Mixture-of-experts layer (mesh-free: logical axis names only, like llama.py).
 
-    x [B, S, D] -> T = B·S tokens -> router (fp32): each token's top-k experts and weights
+    x [B, S, D] -> T = B·S tokens -> router (router.py, fp32): each token's top-k experts and
+      weights (softmax or DeepSeek-V3's sigmoid, group-limited, the balancing bias)
       dropless:  permute (rows sorted by expert) -> SwiGLU experts as grouped GEMMs
                  (Ops.grouped_dot, lax.ragged_dot by default) -> unpermute (each token's k
                  outputs summed with the router's weights)
@@ -17,7 +18,8 @@ the fixed-size transport's pair.
 
 Auxiliary losses (Megatron's semantics, per layer): the Switch/GShard load-balancing loss
 E/(k·T²)·Σ_e P_e·c_e (P_e: summed softmax probability of expert e over the tokens, c_e: tokens
-whose top-k holds e; 1 when perfectly balanced) times `aux_loss_coeff`, and the ST-MoE z-loss
+whose top-k holds e; 1 when perfectly balanced) times `aux_loss_coeff`, DeepSeek-V3's
+sequence-wise loss (router.sequence_aux_loss) times `seq_aux_loss_coeff`, and the ST-MoE z-loss
 mean_t logsumexp(logits_t)² times `z_loss_coeff`. The executors' loss is a sum over tokens
 divided once by the token count (docs/design.md §8 "Loss as sums"), so a layer's term is
 T·(coeff·loss), as Megatron scales it under calculate_per_token_loss: after the one division
