@@ -28,10 +28,12 @@ SIGMOID = MoeConfig(num_experts=16, top_k=4, score_function="sigmoid", n_group=4
                     routed_scaling_factor=2.5, expert_bias=True, aux_loss_coeff=0.0)
 
 
-def _hf_deepseek_v3_gate(logits, bias, top_k, n_group, topk_group, norm, scale):
-    """transformers' DeepseekV3MoE.route_tokens_to_experts, in numpy (fp32)."""
+def _hf_deepseek_v3_gate(logits, bias, top_k, n_group, topk_group, norm, scale,
+                         score=lambda z: 1.0 / (1.0 + np.exp(-z))):
+    """transformers' DeepseekV3MoE.route_tokens_to_experts, in numpy (fp32); `score`: the
+    sigmoid there."""
     t, e = logits.shape
-    scores = 1.0 / (1.0 + np.exp(-logits))
+    scores = score(logits)
     choice = scores + bias[None]
     group_scores = np.sort(choice.reshape(t, n_group, e // n_group), axis=-1)[..., -2:].sum(-1)
     group_idx = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
@@ -66,6 +68,23 @@ def test_sigmoid_group_limited_routing_equals_the_hf_deepseek_v3_gate(norm):
     # the bias steers: without it the choice differs for some tokens, the weights' scores not
     plain = router.route(x, w, e, jnp.zeros(16))
     assert (np.sort(plain.experts_TK, 1) != np.sort(got.experts_TK, 1)).any()
+
+
+def test_the_softmax_router_limits_groups_the_same_way():
+    """score_function=softmax with groups (DeepSeek-V2's device-limited routing): the same
+    choice on the softmax probabilities, the top-k renormalised (pre_softmax=false)."""
+    e = dataclasses.replace(SIGMOID, score_function="softmax", expert_bias=False,
+                            routed_scaling_factor=1.0)
+    x = jax.random.normal(jax.random.key(0), (64, 8), F32)
+    w = jax.random.normal(jax.random.key(1), (8, 16), F32)
+    got = router.route(x, w, e)
+    softmax = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(  # noqa: E731
+        z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    idx, want_w = _hf_deepseek_v3_gate(np.asarray(x @ w), np.zeros(16), 4, 4, 2, True, 1.0,
+                                       softmax)
+    np.testing.assert_array_equal(np.sort(np.asarray(got.experts_TK), 1), np.sort(idx, 1))
+    np.testing.assert_allclose(np.sort(np.asarray(got.weights_TK), 1), np.sort(want_w, 1),
+                               rtol=1e-5)
 
 
 def _layer_loss_fns(cfg):
@@ -289,3 +308,10 @@ def test_expert2_with_the_sigmoid_router_and_the_bias_trains_as_one_device(tmp_p
                                    rtol=1e-4, err_msg=key)
     np.testing.assert_array_equal(_bias(read_saved_params(tmp_path / "ep" / "checkpoints" / "3")),
                                   _bias(read_saved_params(tmp_path / "one" / "checkpoints" / "3")))
+
+
+def test_hf_mixtral_export_refuses_deepseeks_router():
+    from jaxtrain.tools.hf_config import HfConversionError, check_mixtral
+    with pytest.raises(HfConversionError, match=r"moe.score_function=sigmoid, which HF's "
+                       r"Mixtral cannot express"):
+        check_mixtral(tiny_moe_config(*BIAS_ARGS).model)
