@@ -13,8 +13,9 @@
 Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2). `expert_bias` [E] enters only the choice:
 never the weights, never the gradient. The choice runs under a custom VJP whose backward hands
 the scores the cotangent of the picked (unbiased) scores, as a gather would (a top-k index has
-no derivative), and hands the bias, in place of a gradient, this pass's tokens per expert. That is flax's "overwrite with gradient" pattern, as
-fp8_matmul uses for its amaxes: the loads then travel wherever gradients travel, summed over
+no derivative), and hands the bias, in place of a gradient, this pass's tokens per expert.
+That is flax's "overwrite with gradient" pattern, as fp8_matmul uses for its amaxes: the
+loads then travel wherever gradients travel, summed over
 microbatches, pipeline stages and data/expert replicas by the executors' one reduction, so
 every rank sees the same loads. The train step takes them out of the gradients before the
 optimizer (moe_balance.py) and moves the bias by rate·sign(mean load - load).
