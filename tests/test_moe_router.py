@@ -214,7 +214,7 @@ def _two_steps(*layout):
                           *layout)
     p = cfg.parallel
     setup = setup_lib.build(cfg, sharding.make_mesh(p, jax.devices()[
-        :p.data * p.fsdp * p.tensor * p.stage]))
+        :p.data * p.fsdp * p.tensor * p.context * p.stage]))
     state = setup_lib.train_state_from_params(setup, random_params(setup))
     _, _, grads, _ = step.make_grad_step(setup)(state.params, random_batch(cfg, 0), {})
     assert not np.any(_bias(jax.device_get(grads)))
