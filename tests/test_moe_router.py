@@ -246,11 +246,18 @@ def test_the_train_step_moves_the_bias_alike_on_every_rank_and_as_on_one_device(
 
 
 @pytest.mark.slow
-def test_the_pipelined_step_moves_the_bias_as_on_one_device():
-    """Stage 2 (2 microbatches) with experts over 2 ranks: the loads reach the bias through
-    the pipeline executor's gradient sums as through the replica executor's."""
-    got = _two_steps("--parallel.data=4", "--parallel.expert=2", "--parallel.stage=2",
-                     "--parallel.microbatches=2")
+@pytest.mark.parametrize("layout", [
+    ("--parallel.data=4", "--parallel.expert=2", "--parallel.stage=2",
+     "--parallel.microbatches=2"),
+    ("--parallel.data=4", "--parallel.expert=4", "--parallel.fsdp=2", "--parallel.zero1=true"),
+    ("--parallel.data=2", "--parallel.expert=2", "--parallel.tensor=2",
+     "--parallel.sequence_parallel=true", "--parallel.context=2"),
+], ids=["expert2_stage2", "expert4_fsdp2_zero1", "expert2_tensor2_sp_context2"])
+def test_other_layouts_move_the_bias_as_on_one_device(layout):
+    """Stage 2 (the loads reach the bias through the pipeline executor's gradient sums as
+    through the replica executor's), ZeRO-1 (the bias's master sharded), tensor + context:
+    the bias as on one device, bit for bit."""
+    got = _two_steps(*layout)
     for a, b in zip(got, _two_steps("--parallel.data=1")):
         np.testing.assert_array_equal(a, b)
 
