@@ -2,7 +2,8 @@
 
     batch -> executor (replica.py when stage = 1, pipeline.py when stage > 1) -> contract.Sums
           -> contract.normalise (loss, gradients, metrics divided once)
-          -> optax update of the fp32 masters; the FP8 converter's update of the metas
+          -> optax update of the fp32 masters; the FP8 converter's update of the metas; the
+             MoE balancing bias moved by the step's expert loads (model/moe_balance.py)
 
 The model on the mesh (Setup, the train state's shapes and shardings, init) is
 executors/setup.py's; the train state is train_state.TrainState.
@@ -16,6 +17,7 @@ from jaxtrain import optim, xla_flags
 from jaxtrain.executors import pipeline, replica
 from jaxtrain.executors.contract import Normalised, normalise
 from jaxtrain.executors.setup import Setup, compute_params
+from jaxtrain.model import moe_balance
 from jaxtrain.parallel import sharding
 from jaxtrain.parallel.mesh_axes import STAGE
 from jaxtrain.train_state import TrainState
@@ -62,6 +64,8 @@ def make_train_step(setup: Setup, *, donate: bool = True):
     model's auxiliary metrics (model/loss.py) per step."""
     cfg = setup.cfg
     compute = loss_and_grads(setup)
+    e = cfg.model.moe
+    moe_bias_rate = e.bias_update_rate if e is not None and e.expert_bias else None
 
     def train_step(state: TrainState, batch):
         out = compute(state.params, batch, state.fp8_meta)
@@ -69,8 +73,11 @@ def make_train_step(setup: Setup, *, donate: bool = True):
         metrics = {"loss": out.loss, "grad_norm": optax.tree.norm(out.grads),
                    "lr": optim.learning_rate(cfg.train)(state.step), "tokens": out.tokens,
                    **out.metrics}
+        params = optax.apply_updates(state.params, updates)
+        if moe_bias_rate is not None:   # the balancing bias moved by the step's loads
+            params = moe_balance.update(params, out.loads, moe_bias_rate)
         # the metas are replaced, not optimised: the observations become next step's scales
-        return state.replace(params=optax.apply_updates(state.params, updates),
+        return state.replace(params=params,
                              opt_state=opt_state, step=state.step + 1,
                              fp8_meta=setup.fp8.update(state.fp8_meta, out.fp8)), metrics
 

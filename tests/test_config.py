@@ -69,7 +69,7 @@ MOE = "--model.moe.num_experts=8"
     ("--model.moe.pad_to_capacity=true", "pad_to_capacity=true needs model.moe.dispatch=capacity"),
     ("--model.moe.aux_loss_coeff=-0.1", "aux_loss_coeff=-0.1 must be >= 0"),
     ("--model.moe.top_k=1", "set model.moe.pre_softmax=true"),
-    ("--model.moe.score_function=sigmoid", "choose one of softmax"),
+    ("--model.moe.score_function=tanh", "choose one of softmax, sigmoid"),
 ])
 def test_bad_moe_configs_are_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message) as err:

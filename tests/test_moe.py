@@ -244,7 +244,7 @@ def _one_by_one(graphdef, state, tokens):
         h_TD = h.reshape(-1, cfg.hidden_size)
         y = _dense_reference(h_TD, p, cfg.moe).reshape(h.shape)
         x = x + y + block.moe.shared(h)
-        st = moe.layer_stats(moe.route(h_TD, p["router"], cfg.moe), cfg.moe, 0.0)
+        st = moe.layer_stats(moe.route(h_TD, p["router"], cfg.moe), cfg.moe, 0.0, h.shape[0])
         stats, terms = stats + st, terms + st.loss
     return model.logits(x), jax.tree.map(jax.lax.stop_gradient, stats), terms
 

@@ -22,7 +22,7 @@ DEGREES = ("data", "fsdp", "tensor", "context", "stage")
 CONTEXT_STRATEGIES = {"all_gather": ("auto", "xla", "pallas", "mosaic", "cudnn"),
                       "ring": ("auto", "xla", "pallas", "mosaic")}
 FP8_ALIGN = 16  # FP8 GEMMs need K and N multiples of 16 (cuBLASLt, Transformer Engine)
-MOE_SCORE_FUNCTIONS = ("softmax",)   # model.moe.score_function (DeepSeek's sigmoid: next)
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")   # model.moe.score_function
 
 
 def padded_vocab(vocab_size: int, tensor: int) -> int:
@@ -163,6 +163,28 @@ def check_fp8(f: Fp8Config) -> None:
            "use fp8.recipe=delayed")
 
 
+def _check_router(e: MoeConfig) -> None:
+    """The router's groups, scale and balancing bias (model/router.py)."""
+    _check(e.n_group >= 1 and e.topk_group >= 1, f"model.moe.n_group={e.n_group} and "
+           f"topk_group={e.topk_group} must be >= 1 (1 and 1: no group-limited routing)")
+    _check(e.topk_group <= e.n_group, f"model.moe.topk_group={e.topk_group} > n_group="
+           f"{e.n_group}: a token cannot keep more groups than there are; set topk_group <= "
+           "n_group")
+    _check(e.num_experts % e.n_group == 0, f"model.moe.n_group={e.n_group} does not divide "
+           f"num_experts={e.num_experts}; choose n_group among the divisors of num_experts")
+    per_group = e.num_experts // e.n_group
+    _check(e.top_k <= e.topk_group * per_group, f"model.moe.top_k={e.top_k} > topk_group="
+           f"{e.topk_group} x {per_group} experts per group: the kept groups hold too few "
+           "experts; raise topk_group or lower top_k")
+    _check(e.routed_scaling_factor > 0, f"model.moe.routed_scaling_factor="
+           f"{e.routed_scaling_factor} must be > 0 (1.0: the weights as the router gives them)")
+    _check(not e.expert_bias or e.score_function == "sigmoid", "model.moe.expert_bias=true "
+           "with score_function=softmax: the balancing bias is the sigmoid router's "
+           "(Megatron's too); set model.moe.score_function=sigmoid or expert_bias=false")
+    _check(e.bias_update_rate >= 0, f"model.moe.bias_update_rate={e.bias_update_rate} must "
+           "be >= 0 (DeepSeek-V3: 1e-3)")
+
+
 def check_moe(m: ModelConfig, fp8_enabled: bool = False) -> None:
     """model.moe's own rules (the expert degree's are config_check's)."""
     e: MoeConfig = m.moe
@@ -184,7 +206,8 @@ def check_moe(m: ModelConfig, fp8_enabled: bool = False) -> None:
     _check(any(m.moe_layers), f"model.moe.first_k_dense={e.first_k_dense} and layer_freq="
            f"{e.layer_freq} leave no MoE layer among model.num_layers={m.num_layers}; lower "
            "them or unset model.moe")
-    for key in ("aux_loss_coeff", "z_loss_coeff"):
+    _check_router(e)
+    for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff"):
         _check(getattr(e, key) >= 0, f"model.moe.{key}={getattr(e, key)} must be >= 0")
     _check(e.dispatch in ("dropless", "capacity"), f"model.moe.dispatch={e.dispatch!r} is "
            "unknown; choose dropless or capacity")

@@ -54,14 +54,31 @@ class MoeConfig(_Section):
     # --moe-layer-freq N, DeepSeek's first_k_dense_replace; Mixtral: every layer).
     layer_freq: int = 1
     first_k_dense: int = 0
-    # The router's score function (--moe-router-score-function): one switch; DeepSeek's
-    # sigmoid joins with its router.
-    score_function: Literal["softmax"] = "softmax"
+    # The router (model/router.py). score_function (--moe-router-score-function): softmax
+    # (Mixtral) or sigmoid (DeepSeek-V3: the chosen experts' sigmoid scores as weights,
+    # normalised to sum 1 when norm_topk_prob, HF's name).
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
+    # The weights' scale (HF routed_scaling_factor, --moe-router-topk-scaling-factor).
+    routed_scaling_factor: float = 1.0
+    # Group-limited routing (HF n_group / topk_group, --moe-router-num-groups /
+    # --moe-router-group-topk): the experts in n_group groups, each scored by the sum of its
+    # top-2 scores; a token picks its top_k among the topk_group best groups. 1/1: off.
+    n_group: int = 1
+    topk_group: int = 1
+    # Auxiliary-loss-free balancing (--moe-router-enable-expert-bias, HF e_score_correction_bias):
+    # a per-expert bias added to the scores for the choice only, moved after each step by
+    # bias_update_rate x sign(mean load - load) (--moe-router-bias-update-rate). Sigmoid only.
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
     # --moe-router-pre-softmax: false (Mixtral): softmax over the top-k logits (the top-k
     # renormalised); true: softmax over all experts, the top-k kept as they are.
     pre_softmax: bool = False
     aux_loss_coeff: float = 1e-2   # --moe-aux-loss-coeff (Switch/GShard load balancing, per layer)
     z_loss_coeff: float = 0.0      # --moe-z-loss-coeff (ST-MoE router z-loss)
+    # DeepSeek-V3's sequence-wise balance loss, alpha (--moe-aux-loss-coeff with
+    # --moe-router-load-balancing-type seq_aux_loss; DeepSeek-V3: 1e-4), per layer
+    seq_aux_loss_coeff: float = 0.0
     # dropless: every token reaches its experts (a grouped GEMM over the tokens sorted by
     # expert); capacity: each expert takes at most ceil(tokens x top_k / experts x
     # capacity_factor) (--moe-expert-capacity-factor), dropping by drop_policy

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.model import loss as loss_lib
-from jaxtrain.model import moe
+from jaxtrain.model import moe, moe_balance
 from jaxtrain.model.loss import LossSums
 
 
@@ -45,15 +45,18 @@ class Normalised(NamedTuple):
     grads: Any         # gradients of the mean loss (fp32, where `shardings` put them)
     fp8: Any           # the FP8 observations, as the executor combined them
     metrics: dict      # name -> value of every auxiliary Mean
+    loads: Any = None  # the MoE balancing bias's per-expert loads (model/moe_balance.py)
 
 
 def normalise(sums: Sums, shardings) -> Normalised:
     """The one normalisation of a step: loss and gradients divided by the token count (at
     least 1: a batch of padding gives zeros, not NaN), each auxiliary metric by its own count;
-    the gradients placed where `shardings` put them (the master params')."""
+    the gradients placed where `shardings` put them (the master params'). The balancing bias's
+    cotangent slot holds loads, not a gradient: they leave as `loads`, the bias's gradient 0."""
     losses = sums.losses
     total = jnp.maximum(losses.tokens, 1.0)
     grads = jax.tree.map(lambda g, sh: jax.lax.with_sharding_constraint(g / total, sh),
                          sums.grads, shardings)
     metrics = {name: mean.value for name, mean in losses.aux.items()}
-    return Normalised(losses.loss / total, losses.tokens, grads, sums.fp8, metrics)
+    loads, grads = moe_balance.take_loads(grads)
+    return Normalised(losses.loss / total, losses.tokens, grads, sums.fp8, metrics, loads)

@@ -26,6 +26,7 @@ from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
+from jaxtrain.model import moe_balance
 from jaxtrain.model.fp8 import Fp8Converter
 from jaxtrain.parallel import (context_attention, expert_dispatch, grad_accumulation,
                                layer_order, remat, sharded_kernels, sharding)
@@ -250,8 +251,11 @@ def compute_params(setup: Setup, params):
     (Megatron's bf16 wgrad added into main_grad), and no layer casts its weights again per
     microbatch."""
     dtype = jnp.dtype(setup.cfg.model.compute_dtype)
-    return jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(p.astype(dtype), sh),
-                        params, setup.compute_shardings)
+
+    def one(path, p, sh):   # the MoE balancing bias stays fp32 (its cotangent carries loads)
+        return jax.lax.with_sharding_constraint(
+            p if moe_balance._is_bias(path) else p.astype(dtype), sh)
+    return jax.tree_util.tree_map_with_path(one, params, setup.compute_shardings)
 
 
 def split_microbatches(batch, m: int, mesh: Mesh | None = None):

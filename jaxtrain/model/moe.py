@@ -1,6 +1,7 @@
 """Mixture-of-experts layer (mesh-free: logical axis names only, like llama.py).
 
-    x [B, S, D] -> T = B·S tokens -> router (fp32): each token's top-k experts and weights
+    x [B, S, D] -> T = B·S tokens -> router (router.py, fp32): each token's top-k experts and
+      weights (softmax or DeepSeek-V3's sigmoid, group-limited, the balancing bias)
       dropless:  permute (rows sorted by expert) -> SwiGLU experts as grouped GEMMs
                  (Ops.grouped_dot, lax.ragged_dot by default) -> unpermute (each token's k
                  outputs summed with the router's weights)
@@ -17,7 +18,8 @@ the fixed-size transport's pair.
 
 Auxiliary losses (Megatron's semantics, per layer): the Switch/GShard load-balancing loss
 E/(k·T²)·Σ_e P_e·c_e (P_e: summed softmax probability of expert e over the tokens, c_e: tokens
-whose top-k holds e; 1 when perfectly balanced) times `aux_loss_coeff`, and the ST-MoE z-loss
+whose top-k holds e; 1 when perfectly balanced) times `aux_loss_coeff`, DeepSeek-V3's
+sequence-wise loss (router.sequence_aux_loss) times `seq_aux_loss_coeff`, and the ST-MoE z-loss
 mean_t logsumexp(logits_t)² times `z_loss_coeff`. The executors' loss is a sum over tokens
 divided once by the token count (docs/design.md §8 "Loss as sums"), so a layer's term is
 T·(coeff·loss), as Megatron scales it under calculate_per_token_loss: after the one division
@@ -44,6 +46,8 @@ from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.model.fp8_grouped import fp8_grouped_dot
 from jaxtrain.model.layers import normal, param, swiglu
 from jaxtrain.model.loss import Mean
+from jaxtrain.model.router import (SCORE_FUNCTIONS, Routing, load_balancing_loss,  # noqa: F401
+                                   route, sequence_aux_loss, tokens_per_expert, z_loss)
 
 # Remat tags of the MoE layer (Megatron's recompute vocabulary: moe_act, moe, shared_experts;
 # remat.MODULES maps those onto these): the router's choices, the experts' in-projections
@@ -62,50 +66,7 @@ def ragged_dot(lhs_ND, rhs_EDF, group_sizes_E):
 
 
 # ----------------------------------------------------------------------------- the router
-
-class Routing(NamedTuple):
-    experts_TK: jax.Array   # int32: each token's experts, best first
-    weights_TK: jax.Array   # fp32: what each expert's output is weighted by
-    scores_TE: jax.Array    # fp32: softmax over all experts (the load-balancing loss's P)
-    logits_TE: jax.Array    # fp32
-
-
-def _softmax_scores(logits_TE, e: MoeConfig):
-    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-    if e.pre_softmax:   # the top-k of the full softmax, as they are
-        weights_TK, experts_TK = jax.lax.top_k(probs_TE, e.top_k)
-    else:               # Mixtral: softmax over the top-k logits (the top-k renormalised)
-        top_TK, experts_TK = jax.lax.top_k(logits_TE, e.top_k)
-        weights_TK = jax.nn.softmax(top_TK, axis=-1)
-    return probs_TE, weights_TK, experts_TK
-
-
-# model.moe.score_function -> (logits, cfg) -> (scores for the aux loss, weights, experts)
-SCORE_FUNCTIONS = {"softmax": _softmax_scores}
-
-
-def route(x_TD, router_DE, e: MoeConfig) -> Routing:
-    """Top-k routing in fp32 (Megatron's moe_router_dtype=fp32), whatever the compute dtype."""
-    logits_TE = jnp.einsum("td,de->te", x_TD.astype(F32), router_DE.astype(F32))
-    scores_TE, weights_TK, experts_TK = SCORE_FUNCTIONS[e.score_function](logits_TE, e)
-    return Routing(experts_TK.astype(jnp.int32), weights_TK, scores_TE, logits_TE)
-
-
-def tokens_per_expert(experts_TK, num_experts: int):
-    """[E] fp32: how many tokens chose each expert (before any drop)."""
-    return jnp.sum(jax.nn.one_hot(experts_TK, num_experts, dtype=F32), axis=(0, 1))
-
-
-def load_balancing_loss(scores_TE, counts_E, top_k: int):
-    """Switch/GShard as Megatron computes it: E/(k·T²)·Σ_e (Σ_t p_te)·c_e (no coefficient)."""
-    t, e = scores_TE.shape
-    return jnp.sum(jnp.sum(scores_TE, axis=0) * counts_E) * (e / (top_k * t * t))
-
-
-def z_loss(logits_TE):
-    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)² (no coefficient)."""
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
-
+# (model/router.py; its names stay importable from here)
 
 @jax.custom_vjp
 def attach_loss(y, loss):
@@ -133,8 +94,10 @@ class MoeStats(NamedTuple):
     """Sums over the MoE layer passes of a forward (and, added, over microbatches and data
     replicas): every field combines by addition. `summary` turns them into the logged means."""
     layers: jax.Array               # MoE layer passes
-    loss: jax.Array                 # Σ T·(aux_loss_coeff·lb + z_loss_coeff·z): the summed-loss term
+    loss: jax.Array                 # Σ T·(aux_loss_coeff·lb + seq_aux_loss_coeff·seq +
+    #                                        z_loss_coeff·z): the summed-loss term
     load_balancing_loss: jax.Array  # Σ lb (1 when balanced)
+    seq_aux_loss: jax.Array         # Σ seq (DeepSeek-V3's sequence-wise loss, 1 when balanced)
     z_loss: jax.Array               # Σ z
     load_max: jax.Array             # Σ max_e c_e / mean_e c_e
     load_min: jax.Array             # Σ min_e c_e / mean_e c_e
@@ -150,16 +113,19 @@ class MoeStats(NamedTuple):
         return MoeStats(*(a + b for a, b in zip(self, other)))
 
 
-def layer_stats(routing: Routing, e: MoeConfig, dropped) -> MoeStats:
+def layer_stats(routing: Routing, e: MoeConfig, dropped, batch: int = 1) -> MoeStats:
+    """One layer pass's MoeStats over its `batch` sequences (the tokens, `batch` x S)."""
     counts_E = tokens_per_expert(routing.experts_TK, e.num_experts)
     t = routing.experts_TK.shape[0]
     lb = load_balancing_loss(routing.scores_TE, counts_E, e.top_k)
+    seq = sequence_aux_loss(routing.scores_TE, routing.experts_TK, batch)
     z = z_loss(routing.logits_TE)
     mean = jnp.mean(counts_E)
     one = jnp.ones((), F32)
     return MoeStats(
-        layers=one, loss=t * (e.aux_loss_coeff * lb + e.z_loss_coeff * z),
-        load_balancing_loss=lb, z_loss=z, load_max=jnp.max(counts_E) / mean,
+        layers=one,
+        loss=t * (e.aux_loss_coeff * lb + e.seq_aux_loss_coeff * seq + e.z_loss_coeff * z),
+        load_balancing_loss=lb, seq_aux_loss=seq, z_loss=z, load_max=jnp.max(counts_E) / mean,
         load_min=jnp.min(counts_E) / mean, load_cv=jnp.std(counts_E) / mean,
         dropped=jnp.asarray(dropped, F32), routed=one * (t * e.top_k))
 
@@ -171,6 +137,7 @@ def means(stats: MoeStats, tokens) -> dict[str, Mean]:
     per_layer = lambda total: Mean(total, stats.layers)  # noqa: E731
     return {"moe_aux_loss": Mean(stats.loss, jnp.asarray(tokens, F32)),
             "moe_load_balancing_loss": per_layer(stats.load_balancing_loss),
+            "moe_seq_aux_loss": per_layer(stats.seq_aux_loss),
             "moe_z_loss": per_layer(stats.z_loss), "moe_load_max": per_layer(stats.load_max),
             "moe_load_min": per_layer(stats.load_min), "moe_load_cv": per_layer(stats.load_cv),
             "moe_dropped_fraction": Mean(stats.dropped, stats.routed)}
@@ -294,6 +261,8 @@ class MoeLayer(nnx.Module):
                            "buffers have no FP8 path; set model.moe.pad_to_capacity=false")
         # FP8 (None when off): one meta per expert per projection, stacked [E] like the weights
         self.fp8_gate, self.fp8_up, self.fp8_down = (ops.fp8.new_meta((n,)) for _ in range(3))
+        if e.expert_bias:   # the balancing bias: fp32 state the train step moves (moe_balance)
+            self.expert_bias = param(rngs, jax.nn.initializers.zeros, (n,), (None,), F32)
         self.shared = shared
         self.moe_cfg = e
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
@@ -324,7 +293,8 @@ class MoeLayer(nnx.Module):
         x_BSD = c(x_BSD, ("batch", "sequence", "embed"))
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d).astype(self.compute_dtype)
-        routing = route(x_TD, self.router[...], e)
+        routing = route(x_TD, self.router[...], e,
+                        self.expert_bias[...] if e.expert_bias else None)
         experts_TK = checkpoint_name(routing.experts_TK, "moe_router")
         weights_TK = checkpoint_name(routing.weights_TK, "moe_router")
         weights = [w[...].astype(self.compute_dtype) for w in (self.w_gate, self.w_up,
@@ -352,8 +322,8 @@ class MoeLayer(nnx.Module):
         y_BSD = y_TD.reshape(b, s, d).astype(self.compute_dtype)
         if self.shared is not None:
             y_BSD = y_BSD + checkpoint_name(self.shared(x_BSD, fp8), "shared_experts")
-        stats = layer_stats(routing, e, dropped)
-        if e.aux_loss_coeff or e.z_loss_coeff:
+        stats = layer_stats(routing, e, dropped, b)
+        if e.aux_loss_coeff or e.seq_aux_loss_coeff or e.z_loss_coeff:
             y_BSD = attach_loss(y_BSD, stats.loss)
         stats = jax.tree.map(jax.lax.stop_gradient, stats)
         return checkpoint_name(c(y_BSD, ("batch", "length", "embed")), "moe"), stats

@@ -122,7 +122,11 @@ def check_mixtral(m: ModelConfig) -> None:
     e = m.moe
     for ok, what in ((all(m.moe_layers), "dense layers (moe.first_k_dense / layer_freq)"),
                      (not m.shared_mlp_size, "shared experts"),
-                     (not e.pre_softmax, "moe.pre_softmax=true (top-k not renormalised)")):
+                     (not e.pre_softmax, "moe.pre_softmax=true (top-k not renormalised)"),
+                     (e.score_function == "softmax", f"moe.score_function={e.score_function}"),
+                     (e.n_group == 1, "group-limited routing (moe.n_group > 1)"),
+                     (e.routed_scaling_factor == 1.0, "moe.routed_scaling_factor != 1"),
+                     (not e.expert_bias, "a balancing bias (moe.expert_bias)")):
         if not ok:
             raise HfConversionError(f"this MoE model has {what}, which HF's Mixtral cannot "
                                     "express; only all-MoE models with Mixtral's router export")
