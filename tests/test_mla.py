@@ -190,3 +190,87 @@ def test_mla_tensor2_trains_as_one_device(tmp_path):
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [want[s] for s in (1, 2, 3)],
                                rtol=1e-4)
     assert want[3] < want[1]
+
+
+# ----------------------------------------------------------------------------- ledger
+
+def _ledger_cfg(q_lora_rank, b=2, s=64):
+    from jaxtrain.config import Config, TrainConfig
+    return Config(model=dataclasses.replace(_cfg(q_lora_rank), num_layers=1, max_seq_len=s),
+                  train=TrainConfig(global_batch=b, seq_len=s)).validate()
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, Q_RANK], ids=["plain_q", "q_lora"])
+def test_ledger_counts_mla_params_and_the_compiled_matmul_flops(q_lora_rank):
+    """The ledger's parameters are the model's; 6N + 12·L·H·(E+F)/2·s (full square) is every
+    matmul FLOP XLA compiles for the gradient step, less the norm weights 6N counts."""
+    from jaxtrain import step
+    from jaxtrain.executors import setup as setup_lib
+    from jaxtrain.ledger import estimate, layout_from_config, param_counts
+    from jaxtrain.parallel import sharding
+    from jaxtrain.tools import hlo
+    from jaxtrain.tools.compile_step import CPU_COMPILER_OPTIONS, abstract_batch
+    cfg = _ledger_cfg(q_lora_rank)
+    counts = param_counts(cfg.model)
+    model_state = nnx.state(nnx.eval_shape(lambda: model_lib.Llama(cfg.model,
+                                                                   rngs=nnx.Rngs(0))))
+    assert counts.total == sum(x.size for x in jax.tree.leaves(model_state))
+    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
+    setup = setup_lib.build(cfg, mesh)
+    state = setup.abstract_train_state
+    compiled = step.make_grad_step(setup).lower(
+        state.params, abstract_batch(cfg, mesh), state.fp8_meta).compile(
+        compiler_options=CPU_COMPILER_OPTIONS)
+    est = estimate(cfg, layout_from_config(cfg, 1), "cpu", flash=False)
+    per = counts.per_layer
+    norms = (per["norms"] + per.get("q_norm", 0) + per["kv_norm"]) * counts.num_layers \
+        + counts.final_norm
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    assert hlo.matmul_flops(compiled) == pytest.approx(
+        est.model_flops_per_step_full_attn - 6 * norms * tokens, rel=1e-6)
+
+
+def test_ledger_mla_width_recompute_and_tensor_split():
+    from jaxtrain.ledger import latent, recompute_flops_per_token
+    from jaxtrain.config import RematConfig
+    m = _ledger_cfg(Q_RANK).model
+    E, F = NOPE + ROPE, VDIM
+    assert latent.attention_width(m) == H * (E + F) / 2
+    up = 2 * (Q_RANK * H * E + KV_RANK * H * (NOPE + F))
+    remat = RematConfig(granularity="selective", modules=("mla_up_proj",))
+    assert recompute_flops_per_token(_ledger_cfg(Q_RANK), remat) == up
+    whole = D * Q_RANK + Q_RANK + D * (KV_RANK + ROPE) + KV_RANK + 2 * D
+    split = Q_RANK * H * E + KV_RANK * H * (NOPE + F) + H * F * D
+    assert latent.attention_params_local(m, 2) == whole + split / 2
+    assert latent.attention_activation_elements(m, 2) == 2 * (Q_RANK + KV_RANK) + H * (E + F)
+
+
+def test_mla_up_proj_recomputes_exactly_the_up_projections():
+    """remat modules=[mla_up_proj] against modules=[core_attn] (which drops no tag): the
+    compiled gradient step runs the q and KV up-projections' forward again, the ledger's
+    recompute FLOPs, and nothing else; the gradients are the same."""
+    from jaxtrain import step
+    from jaxtrain.config import RematConfig
+    from jaxtrain.executors import setup as setup_lib
+    from jaxtrain.ledger import recompute_flops_per_token
+    from jaxtrain.parallel import sharding
+    from jaxtrain.tools import hlo
+    from jaxtrain.tools.compile_step import CPU_COMPILER_OPTIONS
+    from util import random_batch, random_params
+
+    def run(module):
+        cfg = dataclasses.replace(_ledger_cfg(Q_RANK), remat=RematConfig(
+            granularity="selective", modules=(module,)))
+        setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:1]))
+        params, batch = random_params(setup), random_batch(cfg, 0)
+        fn = step.make_grad_step(setup)
+        flops = hlo.matmul_flops(fn.lower(params, batch, {}).compile(
+            compiler_options=CPU_COMPILER_OPTIONS))
+        return cfg, flops, jax.device_get(fn(params, batch, {})[2])
+    cfg, up, g_up = run("mla_up_proj")
+    _, base, g_base = run("core_attn")
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    want = recompute_flops_per_token(cfg) * tokens
+    assert want > 0 and up - base == pytest.approx(want, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g_up), jax.tree.leaves(g_base)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
