@@ -274,3 +274,33 @@ def test_mla_up_proj_recomputes_exactly_the_up_projections():
     assert want > 0 and up - base == pytest.approx(want, rel=1e-6)
     for a, b in zip(jax.tree.leaves(g_up), jax.tree.leaves(g_base)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- context parallel
+
+def _context_grads(overrides, n_devices, params0=None):
+    """(loss, grads, params0) of one grad step of a 1-layer MLA model on n_devices."""
+    from jaxtrain import step
+    from jaxtrain.executors import setup as setup_lib
+    from jaxtrain.parallel import sharding
+    from util import random_batch, random_params, tiny_config
+    cfg = tiny_config(*MLA_ARGS, "--model.vocab_size=512", "--model.num_layers=1", *overrides)
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:n_devices]))
+    params0 = random_params(setup) if params0 is None else params0
+    out = step.make_grad_step(setup)(jax.device_put(params0, setup.param_shardings),
+                                     random_batch(cfg, 0, docs_per_row=3), {})
+    return float(out[0]), jax.device_get(out[2]), params0
+
+
+@pytest.mark.parametrize("overrides,n", [
+    (["--parallel.context=2", "--parallel.context_strategy=ring"], 2),
+    (["--parallel.context=2", "--parallel.tensor=2", "--parallel.sequence_parallel=true",
+      "--model.attention=pallas"], 4),
+], ids=["ring_c2", "pallas_all_gather_c2_tensor2_sp"])
+def test_mla_under_context_parallelism_equals_one_device(overrides, n):
+    """The up-projected K (q/k head size) and V (its own) move between context ranks."""
+    want = _context_grads(["--parallel.data=1", "--model.attention=xla"], 1)
+    got = _context_grads(["--parallel.data=1", *overrides], n, want[2])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
