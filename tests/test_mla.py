@@ -304,3 +304,37 @@ def test_mla_under_context_parallelism_equals_one_device(overrides, n):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- GPU compile
+
+# q/k 128 = 96 + 32, v 64: DeepSeek-V3's 192 = 128 + 64 / 128 scaled down, sizes the kernels
+# take unpadded. (MLA_ARGS's 24-wide q latent makes XLA:GPU's GEMM tiling fail: "Couldn't
+# find output tile sizes".)
+GPU_DIMS = ("--model.mla.q_lora_rank=64", "--model.mla.kv_lora_rank=32",
+            "--model.mla.qk_nope_head_dim=96", "--model.mla.qk_rope_head_dim=32",
+            "--model.mla.v_head_dim=64")
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("impl", ["pallas", "mosaic", "auto"])
+def test_mla_compiles_for_h100_with_each_kernel_that_takes_it(h100, tmp_path, impl):
+    """A bf16 MLA model at tensor 2 + SP compiles for compile-only H100s with the kernel each
+    choice means in the program (auto: Mosaic, whose limits DeepSeek's sizes fit)."""
+    from jaxtrain.parallel import sharding
+    from jaxtrain.tools import gpu_kernels
+    from jaxtrain.tools.compile_step import compile_step
+    from util import tiny_config
+
+    def compile_(attention):
+        cfg = tiny_config(*MLA_ARGS, *GPU_DIMS, "--model.compute_dtype=bfloat16",
+                          "--model.vocab_size=512",
+                          "--train.global_batch=16", "--parallel.data=2", "--parallel.fsdp=2",
+                          "--parallel.tensor=2", "--parallel.sequence_parallel=true",
+                          f"--model.attention={attention}")
+        with gpu_kernels.mosaic_dump(tmp_path):
+            return compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8)))
+    out = compile_(impl)
+    pallas = gpu_kernels.pallas_kernel_names(out.text)
+    mosaic = gpu_kernels.mosaic_kernel_names(out.text)
+    assert bool(pallas) == (impl == "pallas") and bool(mosaic) == (impl != "pallas")
