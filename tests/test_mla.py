@@ -3,6 +3,7 @@ DeepSeek-V3's formulas (K/V up-projected explicitly, per head), with and without
 low-rank path; the cores that take its value head size; through train.py, tensor 2 against
 one device; and its bad inputs."""
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jaxtrain.config import ConfigError, MlaConfig, ModelConfig, load_config
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import mla
-from util import logged_losses, metric_records, train_on_one_device
+from util import logged_losses, train_on_one_device
 
 F32 = jnp.float32
 H, D, NOPE, ROPE, VDIM, KV_RANK, Q_RANK = 4, 32, 8, 4, 6, 12, 10
@@ -169,7 +170,6 @@ def test_cores_that_cannot_take_the_value_head_size_refuse_in_one_line():
 
 # ----------------------------------------------------------------------------- through train.py
 
-import pathlib  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MLA_ARGS = ["--model.mla.q_lora_rank=24", "--model.mla.kv_lora_rank=16",
             "--model.mla.qk_nope_head_dim=16", "--model.mla.qk_rope_head_dim=8",
