@@ -12,13 +12,14 @@ import X` reaches every name below.
 """
 from jaxtrain.config.errors import ConfigError, FrozenConfigError
 from jaxtrain.config.sections import (
-    CheckpointConfig, Config, DataConfig, Fp8Config, ModelConfig, MoeConfig, ParallelConfig,
+    CheckpointConfig, Config, DataConfig, Fp8Config, MlaConfig, ModelConfig, MoeConfig,
+    ParallelConfig,
     PrepareConfig, RematConfig, RopeScaling, TrainConfig)
 from jaxtrain.config.loading import (
     apply_overrides, derive, from_dict, load_config, load_recipe, parse_value, set_value)
 from jaxtrain.config.rules import (
     CONTEXT_STRATEGIES, DEGREES, FP8_ALIGN, check_batch_split, check_context_core,
-    check_context_split, check_expert, check_fill, check_fp8, check_gqa, check_moe,
+    check_context_split, check_expert, check_fill, check_fp8, check_gqa, check_mla, check_moe,
     padded_vocab, parse_duration, parse_mixture, validate, validate_data)
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "DataConfig",
     "Fp8Config",
     "FrozenConfigError",
+    "MlaConfig",
     "ModelConfig",
     "MoeConfig",
     "ParallelConfig",
@@ -53,6 +55,7 @@ __all__ = [
     "check_fill",
     "check_fp8",
     "check_gqa",
+    "check_mla",
     "check_moe",
     "padded_vocab",
     "parse_mixture",

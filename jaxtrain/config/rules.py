@@ -10,7 +10,7 @@ from jaxtrain.config.errors import ConfigError
 
 if TYPE_CHECKING:  # sections.py imports this module (Config.validate): types only here
     from jaxtrain.config.sections import (Config, DataConfig, Fp8Config, ModelConfig,
-                                          MoeConfig, ParallelConfig)
+                                          MlaConfig, MoeConfig, ParallelConfig)
 
 # The rules a config must pass before anything runs. `validate` (Config.validate) applies those
 # that need no devices; jaxtrain.config_check.check(cfg, n_devices) applies them too, then the
@@ -185,6 +185,31 @@ def _check_router(e: MoeConfig) -> None:
            "be >= 0 (DeepSeek-V3: 1e-3)")
 
 
+def check_mla(m: ModelConfig, fp8_enabled: bool = False,
+              error: type[ConfigError] = ConfigError) -> None:
+    """model.mla's own rules (the attention cores' head-size limits are model/attention.py's)."""
+    a: MlaConfig = m.mla
+    if a is None:
+        return
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _check(getattr(a, key) > 0, f"model.mla.{key}={getattr(a, key)} must be positive",
+               error)
+    _check(a.q_lora_rank >= 0, f"model.mla.q_lora_rank={a.q_lora_rank} must be >= 0 (0: a "
+           "plain q projection)", error)
+    _check(a.qk_rope_head_dim % 2 == 0, f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim} "
+           "must be even (RoPE rotates pairs)", error)
+    _check(m.num_kv_heads == m.num_heads, f"model.mla with model.num_kv_heads={m.num_kv_heads}"
+           f" != model.num_heads={m.num_heads}: latent attention up-projects a key and value "
+           f"per head; set model.num_kv_heads={m.num_heads}", error)
+    _check(not m.head_dim or m.head_dim == a.qk_head_dim, f"model.head_dim={m.head_dim} with "
+           f"model.mla: the q/k head size is qk_nope_head_dim + qk_rope_head_dim = "
+           f"{a.qk_head_dim}; set model.head_dim=0 (or {a.qk_head_dim})", error)
+    _check(a.yarn_factor > 0 and a.mscale_all_dim >= 0, f"model.mla.yarn_factor="
+           f"{a.yarn_factor} must be > 0 and mscale_all_dim={a.mscale_all_dim} >= 0", error)
+    _check(not fp8_enabled, "fp8.enabled=true with model.mla: the latent projections have no "
+           "FP8 path yet; turn fp8 off for MLA models", error)
+
+
 def check_moe(m: ModelConfig, fp8_enabled: bool = False) -> None:
     """model.moe's own rules (the expert degree's are config_check's)."""
     e: MoeConfig = m.moe
@@ -250,11 +275,13 @@ def validate(cfg: Config) -> None:
         _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
     check_gqa(m)
     check_moe(m, cfg.fp8.enabled)
+    check_mla(m, cfg.fp8.enabled)
     check_expert(m, p, p.data)
     _check(m.head_dim > 0 or m.hidden_size % m.num_heads == 0,
            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
            "set model.head_dim explicitly")
-    _check(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even for RoPE")
+    _check(m.mla is not None or m.resolved_head_dim % 2 == 0,
+           f"head dim {m.resolved_head_dim} must be even for RoPE")
     _check(t.seq_len <= m.max_seq_len,
            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
            "lower train.seq_len or raise model.max_seq_len")

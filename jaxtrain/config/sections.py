@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Literal, Optional
 
 from jaxtrain.config import rules
@@ -90,6 +91,35 @@ class MoeConfig(_Section):
 
 
 @dataclasses.dataclass
+class MlaConfig(_Section):
+    """Multi-head latent attention (DeepSeek-V2/V3, docs/design.md §"Latent attention"), HF's
+    DeepseekV3Config names. `model.mla` unset: grouped-query attention. Under MLA every head
+    has its own key and value (model.num_kv_heads must equal model.num_heads)."""
+    q_lora_rank: int = 0           # 0: a plain q projection; else down-proj -> RMSNorm -> up-proj
+    kv_lora_rank: int = 64         # the compressed KV latent (RMSNorm'd, then up-projected)
+    qk_nope_head_dim: int = 32     # the part of q/k without RoPE
+    qk_rope_head_dim: int = 16     # the RoPE part; its key is one head shared by all heads
+    v_head_dim: int = 32           # may differ from the q/k head size (nope + rope)
+    # YaRN's softmax-scale correction (HF yarn_get_mscale(factor, mscale_all_dim)**2): applied
+    # when mscale_all_dim > 0 and yarn_factor > 1. YaRN's frequency interpolation itself is
+    # not implemented (the rope part uses model.rope_theta / model.rope_scaling).
+    yarn_factor: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_mscale(self) -> float:
+        """The factor on 1/sqrt(qk_head_dim) (1 without YaRN's correction)."""
+        if self.mscale_all_dim <= 0 or self.yarn_factor <= 1:
+            return 1.0
+        m = 0.1 * self.mscale_all_dim * math.log(self.yarn_factor) + 1.0
+        return m * m
+
+
+@dataclasses.dataclass
 class ModelConfig(_Section):
     vocab_size: int = 384
     hidden_size: int = 256
@@ -107,10 +137,24 @@ class ModelConfig(_Section):
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     moe: Optional[MoeConfig] = None
+    mla: Optional[MlaConfig] = None
 
     @property
     def resolved_head_dim(self) -> int:
+        """The query/key head size (MLA: qk_nope_head_dim + qk_rope_head_dim)."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        """The value (and attention output) head size: the q/k one except under MLA."""
+        return self.mla.v_head_dim if self.mla is not None else self.resolved_head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The dims RoPE rotates per head (MLA: qk_rope_head_dim only)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.resolved_head_dim
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:

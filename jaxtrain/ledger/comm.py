@@ -54,6 +54,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxtrain.config import Config, padded_vocab
+from jaxtrain.ledger import latent
 from jaxtrain.ledger.hardware import Gpu
 from jaxtrain.ledger.layout import Layout
 from jaxtrain.ledger.pipeline import Executor, chunk_input_bytes
@@ -188,7 +189,7 @@ def cp_hops(cfg: Config, layout: Layout, seq_len: int) -> CpHops:
     c = layout.context
     m = cfg.model
     kv_shards = layout.tensor if m.num_kv_heads % layout.tensor == 0 else m.num_kv_heads
-    kv_width = m.num_kv_heads * m.resolved_head_dim / kv_shards
+    kv_width = latent.kv_width(m) / kv_shards   # MLA: the up-projected K/V, not the latent
     tokens = seq_len / c * layout.micro_batch
     return CpHops(c - 1, c - 1, c - 1, 2 * tokens * kv_width * 2, 2 * tokens * kv_width * 4)
 

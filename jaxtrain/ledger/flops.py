@@ -5,7 +5,8 @@ the input embedding (the lm_head is a matmul, so it counts; with tied embeddings
 is the lm_head and N equals the total; of an MoE layer's experts only the top_k a token
 activates, as Megatron's num_floating_point_operations counts them: router h·E, top_k x the
 expert SwiGLU 3·h·F_e, the shared experts' 3·h·F_s, so MFU counts activated work, never every
-expert), H·E is the query width (the hidden size for Llama),
+expert), H·E is the query width (the hidden size for Llama; under MLA H·(E + F)/2, QK^T over
+the q/k head size E and PV over the value head size F: ledger.latent),
 s the sequence length. The attention term counts the causal half of the s×s products, as
 Megatron-LM's and MaxText's FLOP counters now do; `causal=False` gives the full square of
 PaLM's and Megatron's papers (12·L·(H·E)·s), which is also what XLA's attention computes, so
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.config import Config, ConfigError, ModelConfig, RematConfig
+from jaxtrain.ledger import latent
 from jaxtrain.ledger.layout import stage_layer_counts
 
 
@@ -74,10 +76,8 @@ class ParamCounts:
 
 
 def param_counts(model: ModelConfig) -> ParamCounts:
-    h, E, F = model.hidden_size, model.resolved_head_dim, model.mlp_size
-    H, K = model.num_heads, model.num_kv_heads
-    attention = {"q": h * H * E, "k": h * K * E, "v": h * K * E, "o": H * E * h,
-                 "norms": 2 * h}
+    h, F = model.hidden_size, model.mlp_size
+    attention = latent.attention_params(model)   # GQA's q, k, v, o or MLA's (ledger.latent)
     per_layer = {**attention, "gate": h * F, "up": h * F, "down": F * h}
     table = model.vocab_size * h
     moe, n_moe, active = {}, sum(model.moe_layers), 1.0
@@ -115,7 +115,7 @@ def _attention_fraction(causal: bool) -> float:
 def attention_flops_per_token(model: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     """QK^T and PV, forward (4) plus backward (8), per token: 12·L·(H·E)·s for the full square,
     half of it causal."""
-    return (12.0 * model.num_layers * model.num_heads * model.resolved_head_dim * seq_len
+    return (12.0 * model.num_layers * latent.attention_width(model) * seq_len
             * _attention_fraction(causal))
 
 
@@ -135,13 +135,12 @@ def model_flops_per_token(cfg: Config, seq_len: int | None = None, *,
 # Norms, RoPE and the SwiGLU product are elementwise: not counted, as in model FLOPs.
 def _module_flops(model: ModelConfig, seq_len: int, causal: bool,
                   rows_per_token: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
-    h, E, F = model.hidden_size, model.resolved_head_dim, model.mlp_size
-    H, K = model.num_heads, model.num_kv_heads
-    attn = 4.0 * H * E * seq_len * _attention_fraction(causal)
+    h, F = model.hidden_size, model.mlp_size
+    attn = 4.0 * latent.attention_width(model) * seq_len * _attention_fraction(causal)
     shared = {"layer_input": 0.0, "attn_norm": 0.0, "mlp_norm": 0.0, "layernorm": 0.0,
-              "qkv_proj": 2.0 * h * (H + 2 * K) * E, "core_attn": attn,
-              "core_attn_out": attn,   # QK^T and PV (remat.MODULES)
-              "attn_out": 2.0 * H * E * h}
+              **latent.projection_flops(model),   # qkv_proj, mla_up_proj
+              "core_attn": attn, "core_attn_out": attn,   # QK^T and PV (remat.MODULES)
+              "attn_out": 2.0 * model.num_heads * model.v_head_dim * h}
     mlp = {"mlp_act": 0.0, "mlp_in": 4.0 * h * F, "mlp_out": 2.0 * F * h, "mlp": 6.0 * h * F}
     fe, fs, r = model.expert_mlp_size, model.shared_mlp_size, rows_per_token
     # moe_out and moe re-run the down projection: the router weights' gradient reads its rows.
@@ -159,7 +158,7 @@ def layer_forward_flops_per_token(model: ModelConfig, seq_len: int, *,
                                   causal: bool = True) -> float:
     """One layer's forward per token: 2·(layer params) + 4·(H·E)·s (QK^T and PV; half causal),
     the activated params averaged over dense and MoE layers."""
-    return (2.0 * param_counts(model).layer_active + 4.0 * model.num_heads * model.resolved_head_dim
+    return (2.0 * param_counts(model).layer_active + 4.0 * latent.attention_width(model)
             * seq_len * _attention_fraction(causal))
 
 
@@ -179,7 +178,7 @@ def context_block_flops(model: ModelConfig, seq_len: int, context: int, micro_ba
     4·(H/t)·E·b·(s/c)² (QK^T and PV), half of it with a flash kernel (load-balanced, every step
     has half its tiles masked, the local causal one too)."""
     s = seq_len / context
-    return (4.0 * model.num_heads / tensor * model.resolved_head_dim * micro_batch * s * s
+    return (4.0 * latent.attention_width(model) / tensor * micro_batch * s * s
             * _attention_fraction(flash))
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.config import Config, RematConfig, padded_vocab
-from jaxtrain.ledger import experts
+from jaxtrain.ledger import experts, latent
 from jaxtrain.ledger.flops import param_counts
 from jaxtrain.ledger.hardware import GiB
 from jaxtrain.ledger.layout import Layout
@@ -96,9 +96,7 @@ def _layer_kinds_local(cfg: Config, tensor: int, expert: int) -> tuple[float, fl
     kv_heads < t; an MoE layer's E/expert experts, ledger.experts)."""
     m = cfg.model
     per = param_counts(m).per_layer
-    kv_shards = tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
-    attention = ((per["q"] + per["o"]) / tensor + (per["k"] + per["v"]) / kv_shards
-                 + per["norms"])
+    attention = latent.attention_params_local(m, tensor)   # GQA or MLA
     dense = attention + (per["gate"] + per["up"] + per["down"]) / tensor
     if m.moe is None:
         return dense, dense
@@ -227,7 +225,7 @@ def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *, flash: 
       norms themselves are recomputed from their inputs): 4 x 2·s·b·h, split over `tensor`
       under sequence parallelism;
     - q and the attention output: 2 x 2·s·b·h/t (H·E = h); k and v: 2 x 2·s·b·K·E per KV
-      shard; the flash kernel's fp32 log-sum-exp, 4·s·b·H/t;
+      shard (MLA: its latents and q, k, v, output of its own head sizes, ledger.latent); the flash kernel's fp32 log-sum-exp, 4·s·b·H/t;
     - the SwiGLU's gate, up and their product (the down projection's input): 3 x 2·s·b·F/t
       (silu is recomputed from gate);
     - without a flash kernel (XLA attention, the CPU path) the s×s scores, Korthikanti's 5
@@ -245,11 +243,10 @@ def layer_activation_bytes(cfg: Config, layout: Layout, seq_len: int, *, flash: 
     s_local = seq_len / c
     sb = s_local * layout.micro_batch
     stream = 4 * 2 * sb * m.hidden_size / (t if layout.sequence_parallel else 1)
-    kv_shards = t if m.num_kv_heads % t == 0 else 1
-    kv = 2 * 2 * sb * m.num_kv_heads * m.resolved_head_dim / kv_shards
-    attention = 2 * 2 * sb * m.num_heads * m.resolved_head_dim / t + kv
+    attention = 2 * sb * latent.attention_activation_elements(m, t)   # ledger.latent
     if c > 1 and m.attention == "cudnn":
-        attention += (c - 1) * kv
+        kv_shards = t if m.num_kv_heads % t == 0 else 1
+        attention += (c - 1) * 2 * 2 * sb * m.num_kv_heads * m.resolved_head_dim / kv_shards
     flash = flash or c > 1
     lse = 4 * sb * m.num_heads / t if flash else 0.0  # fp32 whatever the dtype
     mlp = 3 * 2 * sb * m.mlp_size / t

@@ -12,7 +12,11 @@ h reads KV head h // (H/K). Implementations:
   packed documents go in as an explicit mask (cuDNN never sees segment ids it could drop).
 
 `auto` picks mosaic on Hopper GPUs where this jax has Mosaic GPU and the model fits the kernel
-(bf16/fp16, head dim <= 192), pallas on other GPUs, xla elsewhere (`choose` says why).
+(bf16/fp16, head dims <= 192), pallas on other GPUs, xla elsewhere (`choose` says why).
+
+A value head size apart from the q/k one (model.mla's v_head_dim): xla, pallas and mosaic take
+it natively (the kernels pad each to its tile); cudnn refuses it (jax's
+dot_product_attention has one head size for K and V).
 
 A kernel is an opaque custom call that GSPMD cannot split, so on a mesh `pallas` and `cudnn`
 run per shard under `jax.shard_map` (parallel/sharded_kernels.py: batch and heads where the
@@ -134,9 +138,10 @@ def _mosaic_unfit(model_cfg, compute_capability) -> str | None:
                 f"sm_{str(compute_capability or 'unknown').replace('.', '')}")
     if jnp.dtype(model_cfg.compute_dtype) not in MOSAIC_DTYPES:
         return f"the Mosaic kernel takes bf16/fp16, compute_dtype is {model_cfg.compute_dtype}"
-    if model_cfg.resolved_head_dim > MOSAIC_MAX_HEAD_DIM:
-        return (f"head dim {model_cfg.resolved_head_dim} > the Mosaic kernel's "
-                f"{MOSAIC_MAX_HEAD_DIM}")
+    e, ev = model_cfg.resolved_head_dim, model_cfg.v_head_dim
+    if max(e, ev) > MOSAIC_MAX_HEAD_DIM:
+        sizes = f"head dim {e}" if e == ev else f"head dims q/k {e}, v {ev}"
+        return f"{sizes} > the Mosaic kernel's {MOSAIC_MAX_HEAD_DIM}"
     return None
 
 
@@ -165,16 +170,22 @@ def _check_pallas(model_cfg, backend: str = "triton"):
     dtype = jnp.dtype(model_cfg.compute_dtype)
     q = jax.ShapeDtypeStruct((1, 16, h, e), dtype)
     kv = jax.ShapeDtypeStruct((1, 16, k, e), dtype)
+    v = jax.ShapeDtypeStruct((1, 16, k, model_cfg.v_head_dim), dtype)   # MLA: its own size
     seg = jax.ShapeDtypeStruct((1, 16), jnp.int32)
     name = "mosaic" if backend == "mosaic" else "pallas"
     try:
-        jax.eval_shape(PallasAttention(interpret=True, backend=backend), q, kv, kv, seg)
+        jax.eval_shape(PallasAttention(interpret=True, backend=backend), q, kv, v, seg)
     except FlashAttentionError as err:
         raise AttentionConfigError(f"model.attention={name}: {err}") from err
 
 
 def _check_cudnn(model_cfg, platform: str):
     e = model_cfg.resolved_head_dim
+    if model_cfg.v_head_dim != e:
+        raise AttentionConfigError(
+            f"model.attention=cudnn: jax.nn.dot_product_attention takes one head size for K "
+            f"and V, but model.mla has q/k {e} and v {model_cfg.v_head_dim}; use "
+            "attention=mosaic, pallas or xla (auto picks one that fits)")
     if model_cfg.compute_dtype not in CUDNN_DTYPES:
         raise AttentionConfigError(
             f"model.attention=cudnn needs model.compute_dtype in {CUDNN_DTYPES}, got "

@@ -23,14 +23,15 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.model import attention as attention_lib
+from jaxtrain.model import mla as mla_lib
 from jaxtrain.model import moe as moe_lib
 from jaxtrain.model import stack as stack_lib
 from jaxtrain.model.fp8 import Fp8Converter
+from jaxtrain.model.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
 from jaxtrain.model.layers import (Dense, RMSNorm, gather_sequence, normal, param,
                                    project_gathered, project_scattered, split_sequence, swiglu)
 from jaxtrain.config import ModelConfig
@@ -87,39 +88,6 @@ def _real_vocab_rows(init, real_vocab: int, axis: int):
         pad[axis] = (0, shape[axis] - real_vocab)
         return jnp.pad(real, pad)
     return draw
-
-
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [E/2], with Llama 3.1's frequency-dependent scaling when configured."""
-    e = cfg.resolved_head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv_freq.astype(np.float32)
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
-    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    scaled = np.where(mid, (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq, scaled)
-    return scaled.astype(np.float32)
-
-
-def rope_tables(cfg: ModelConfig, positions_BS):
-    inv_freq = jnp.asarray(rope_frequencies(cfg))
-    angles_BSe = positions_BS.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles_BSe), jnp.sin(angles_BSe)
-
-
-def apply_rope(x_BSNE, cos_BSe, sin_BSe):
-    """Rotate-half RoPE (the Hugging Face Llama convention), computed in fp32."""
-    x = x_BSNE.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    cos, sin = cos_BSe[:, :, None, :], sin_BSe[:, :, None, :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BSNE.dtype)
 
 
 class Attention(nnx.Module):
@@ -188,7 +156,8 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, ops: Ops, rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg, rngs)
-        self.attn = Attention(cfg, ops, rngs)
+        self.attn = (mla_lib.LatentAttention(cfg, ops, rngs) if cfg.mla is not None
+                     else Attention(cfg, ops, rngs))
         self.mlp_norm = RMSNorm(cfg, rngs)
         if moe:
             shared = (Mlp(cfg, ops, rngs, size=cfg.shared_mlp_size, name="blocks/moe/shared",

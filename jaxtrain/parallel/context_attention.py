@@ -10,7 +10,8 @@ causal load balancing rank r holds chunks r and 2c-1-r), in one of two ways:
   the core attends the local queries to all of them, and the backward reduce-scatters dK, dV.
   Only the local K and V are kept for the backward, which gathers them again (Megatron's and
   TE's all-gather CP), so no layer holds the whole sequence's K/V between passes.
-- `ring`: K/V blocks (stacked: one transfer a hop, as TE) travel c-1 hops around the ring
+- `ring`: K/V blocks (stacked: one transfer a hop, as TE; a pair under MLA, whose V head
+  size differs) travel c-1 hops around the ring
   (ppermute); each hop's send is issued before the current block's attention, and the two
   meet at an optimization barrier, so the scheduler hides the transfer behind that block
   (XLA:GPU's scheduler otherwise ran the hops back to back: it sees no cost in a Pallas
@@ -214,8 +215,14 @@ def gathered_attention(ops: BlockOps, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     return attend(q, k, v, q_seg, kv_seg, q_pos, kv_pos)
 
 
+def _pack(k, v):
+    """K and V stacked (one transfer a hop), or a pair where their head sizes differ (MLA's
+    value head size: two transfers, no padding on the wire); [0] and [1] read either."""
+    return jnp.stack([k, v]) if k.shape == v.shape else (k, v)
+
+
 def _ring_forward(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
-    block = (jnp.stack([k, v]), kv_seg, kv_pos)   # K and V stacked: one transfer a hop
+    block = (_pack(k, v), kv_seg, kv_pos)   # K and V stacked: one transfer a hop
     out = lse = None
     for hop in range(c):
         nxt = _send(block, c) if hop < c - 1 else None   # issued before this block's work
@@ -233,7 +240,7 @@ def _ring_forward(ops: BlockOps, c: int, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 
 def _ring_backward(ops: BlockOps, c: int, res, do):
     q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse = res
-    block = (jnp.stack([k, v]), kv_seg, kv_pos)
+    block = (_pack(k, v), kv_seg, kv_pos)
     dq = jnp.zeros(q.shape, jnp.float32)
     arrived = None   # the (stacked) dK/dV accumulators of the block this rank holds now
     for hop in range(c):
@@ -244,11 +251,11 @@ def _ring_backward(ops: BlockOps, c: int, res, do):
         nxt, grads, arrived = jax.lax.optimization_barrier((nxt, grads, arrived))
         dq_b, dk_b, dv_b = grads
         dq = dq + dq_b
-        acc = jnp.stack([dk_b, dv_b])
+        acc = _pack(dk_b, dv_b)
         if arrived is not None:
-            acc = arrived + acc
+            acc = jax.tree.map(jnp.add, arrived, acc)
         if hop == c - 1:  # complete: home in the compute dtype (rounded once, as anywhere)
-            acc = acc.astype(k.dtype)
+            acc = jax.tree.map(lambda a: a.astype(k.dtype), acc)
         arrived = _send(acc, c)   # to the rank that holds this block next (the last: home)
         block = nxt
     return dq.astype(q.dtype), arrived[0], arrived[1]

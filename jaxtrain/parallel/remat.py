@@ -42,6 +42,9 @@ expert outputs); `shared_experts` the shared experts' gate/up and SwiGLU (gate a
 The router's GEMM re-runs under every selective policy (its logits are untagged, like the
 attention core's insides). The dense MLP's tags do not touch the shared experts (theirs are
 shared_*).
+
+MLA (model/mla.py): `mla_up_proj` (Megatron's name) drops the up-projected q, k and v: the
+backward re-runs the q and KV up-projections from the saved latents (tag qkv_proj there).
 """
 from __future__ import annotations
 
@@ -55,11 +58,11 @@ import jax.numpy as jnp
 from jaxtrain import compat
 from jaxtrain.config import ConfigError, RematConfig
 from jaxtrain.ledger.experts import MODULE_TAGS as MOE_MODULES
-from jaxtrain.model import llama, moe
+from jaxtrain.model import llama, mla, moe
 from jaxtrain.model.llama import scan_layers
 
-# Every tag a layer's activations carry: the dense block's, then the MoE layer's.
-REMAT_TAGS = llama.REMAT_TAGS + moe.REMAT_TAGS
+# Every tag a layer's activations carry: the dense block's, the MoE layer's, MLA's.
+REMAT_TAGS = llama.REMAT_TAGS + moe.REMAT_TAGS + mla.REMAT_TAGS
 
 # remat.modules -> the tags it stops saving: Megatron's --recompute-modules names first (its
 # MoE ones: moe_act, moe, shared_experts), then our finer tags (see the module docstring for

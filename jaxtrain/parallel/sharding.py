@@ -37,6 +37,9 @@ RULES: dict[str, tuple] = {
     "mlp":      ("tensor", "tensor"),
     "vocab":    ("tensor", "tensor"),
     "head_dim": (None,     None),
+    # MLA's latents (model/mla.py): per position, never split over tensor; the
+    # up-projections' latent dim takes fsdp (the down-projections' embed has it first).
+    "latent":   ("fsdp",   None),
     "norm":     (None,     None),
     "layers":   ("stage",  None),     # pipeline: each stage holds its layers
     "experts":  ("expert", None),     # expert parallelism: each expert rank its experts

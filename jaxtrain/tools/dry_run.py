@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger import Estimate, Executor, Gpu, Layout, LayoutError, estimate, get_gpu
-from jaxtrain.ledger import experts
+from jaxtrain.ledger import experts, latent
 from jaxtrain.ledger.layout import layout_from_config
 from jaxtrain.ledger.memory import layer_params_local, state_bytes, workspace_bytes
 from jaxtrain.tools.device_plan import Planned, plan_devices, scale_to_devices
@@ -76,7 +76,7 @@ def branch_matmul_flops(cfg: Config, layout: Layout, ex: Executor) -> float:
     m, t, seq = cfg.model, layout.tensor, cfg.train.seq_len
     tokens = layout.micro_batch * seq / layout.context
     layer = (2 * layer_matmul_params(cfg, layout)
-             + 4 * m.num_heads * m.resolved_head_dim * seq / t)
+             + 4 * latent.attention_width(m) * seq / t)
     chunk = tokens * ex.chunk_layers * layer
     head = tokens * 2 * m.hidden_size * padded_vocab(m.vocab_size, t) / t
     middle = 2 if ex.stages * ex.virtual_stages > 2 else 0
