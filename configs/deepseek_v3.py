@@ -17,12 +17,18 @@ EP over TP x DP for the experts). The configured layout is the nearest: tensor 2
 parallelism, stage 16 (15 stages of 4 layers and a last of 1), expert 32, 256 microbatches of
 one 4096-token sequence (global batch 8192), ZeRO-1, full recompute, dropless. The ledger
 (`python -m jaxtrain.plan --config configs/deepseek_v3.py --devices 1024 --gpu h100`, the
-configured row) says it does not fit: 11-19% MFU at 76.7 of 72 GiB, of which 36.4 GiB activations. The term is the dispatch's worst-case
-receive buffer: the executor's shapes are static, so a rank receives top_k x expert = 256 rows
-per token where 8 arrive on average; the one layer being recomputed holds 14.4 GiB of dispatch buffers. With
-the padded capacity buffers (model.moe.dispatch=capacity, pad_to_capacity=true: 8 rows per
-token) the layout fits: 11-19% MFU at 45.3 of 72 GiB. At expert 8 it fits dropless: 11-20% MFU at 57.5 of 72 GiB. Its all-to-all
-moves 2658.5 GB per device per step over the NIC (32 expert ranks x tensor 2 span 8 nodes). The planner's own pick: tensor 8, stage 16, expert 1, remat full(uniform,1), 27-45% MFU at 59.3 of 72 GiB.
+configured row) says it does not fit: 11-19% MFU at 76.7 of 72 GiB, of which 36.4 GiB
+activations. The term is the dropless dispatch's static worst case: the executor's shapes are
+static, so a rank's expert buffers hold top_k x expert = 256 rows per token where 8 arrive on
+average. The 32 stashed chunk inputs take 3.5 GiB; the one layer a backward re-materialises
+takes 32.8 GiB, almost all of it the expert rows at that size; the reserve adds the all-to-all's
+send and receive buffers, 14.4 GiB of dispatch buffers. With the padded capacity buffers
+(model.moe.dispatch=capacity, pad_to_capacity=true: 8 rows per token, tokens past an expert's
+even share dropped) the layout fits: 11-19% MFU at 45.3 of 72 GiB. At expert 8 it fits dropless:
+11-20% MFU at 57.5 of 72 GiB. Its all-to-all moves 2658.5 GB per device per step over the NIC
+(32 expert ranks x tensor 2 span 8 nodes): 53 s of a 8.3 s ideal step, which caps the MFU;
+DeepSeek's node-limited routing, which bounds that traffic, is not modelled. The planner's own
+pick: tensor 8, stage 16, expert 1, remat full(uniform,1), 27-45% MFU at 59.3 of 72 GiB.
 """
 from jaxtrain.config import Config, MlaConfig, ModelConfig, MoeConfig, TrainConfig
 

@@ -12,7 +12,7 @@ import pytest
 
 from jaxtrain.config import load_recipe
 from jaxtrain.ledger import GB, GiB, LayoutError, estimate, layout_from_config
-from jaxtrain.ledger import experts
+from jaxtrain.ledger import experts, memory
 from jaxtrain.tools import plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -66,6 +66,12 @@ def _claims():
     e = estimate(cfg, L, "h100")
     assert not e.fits   # the worst-case receive buffer; the docstring says so
     yield "deepseek_v3", f"{_mem(e)}, of which {e.activation_bytes / GiB:.1f} GiB activations"
+    assert e.overflow == "activations" and L.expert * cfg.model.moe.top_k == 256
+    stored, working = memory.chunk_residual_bytes(cfg, L, cfg.remat, e.flash, cfg.train.seq_len,
+                                                  e.executor.chunk_layers)
+    yield "deepseek_v3", (f"{e.executor.stash_buffer + 2} stashed chunk inputs take "
+                          f"{(e.executor.stash_buffer + 2) * stored / GiB:.1f} GiB; the one layer a "
+                          f"backward re-materialises takes {working / GiB:.1f} GiB")
     buf = experts.dispatch_buffer_bytes(cfg, L, cfg.train.seq_len)
     yield "deepseek_v3", f"{buf / GiB:.1f} GiB of dispatch buffers"
     padded = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
@@ -77,6 +83,7 @@ def _claims():
     assert e8.fits
     yield "deepseek_v3", _mem(e8)
     yield "deepseek_v3", _a2a(e)
+    yield "deepseek_v3", (f"{e.comm_seconds['ep']:.0f} s of a {e.ideal_step_s:.1f} s ideal step")
     yield "deepseek_v3", _pick(cfg, 1024)
     cfg = _recipe("deepseek_v3_16b")
     e = estimate(cfg, layout_from_config(cfg, 16), "h100")
