@@ -74,6 +74,19 @@ def test_mixtral_executes_the_ledgers_moe_flops(mixtral):
     assert gemms < 0.25 * r.executed.every_branch, (gemms, r.executed.every_branch)
 
 
+def test_mixtral_data_parallel_bytes_per_axes_are_the_ledgers(mixtral):
+    """The dense params' gradients reduce over data and expert, the experts' over data alone
+    (the ranks that hold the same experts): each within 10% of the ledger's (dry_run.dp_terms);
+    the report counts the dispatch pairs with compute between start and done."""
+    comm = mixtral.comm_by_axes()
+    for axes in (("data", "expert"), ("data",)):
+        row = comm[axes]
+        assert row.ledger and abs(row.off) <= 0.10, (axes, row)
+    g = mixtral.gpu_report
+    assert 0 <= g.ragged_hidden <= g.ragged[0]
+    assert f"{g.ragged_hidden} of {g.ragged[0]} pairs" in g.format()
+
+
 def test_mixtral_dispatch_is_ragged_all_to_all_pairs_and_kernels_fit(mixtral):
     """The dispatch and combine are async ragged all-to-all start/done pairs (none
     synchronous), and the experts run as the two Mosaic GPU grouped GEMM kernels (rows x
