@@ -1,9 +1,10 @@
 """The CPU MoE recipe: the tiny byte-level Llama with every MLP a mixture of 4 experts, top-2
 (Mixtral's router, the aux-loss coefficient Megatron's examples use), dropless.
 
-Its model trains on a CPU with falling loss (tests/test_recipes_moe.py drives the model
-directly); `train.py` refuses model.moe until the executors' expert dispatch lands (then
-`--parallel.expert=2` on 8 fake devices is its expert-parallel run).
+Its model trains on a CPU with falling loss (tests/test_recipes_moe.py); `python train.py
+--config configs/tiny_moe.py` trains it on one device, and with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` and `--parallel.expert=2` its experts
+split over expert ranks carved out of the 8 data-parallel ones (tests/test_expert_parallel.py).
 """
 import dataclasses
 

@@ -54,13 +54,19 @@ def test_grouped_gemm_kernels_count_by_their_routed_rows():
     """rows x group (forward, dX) and per group (dW) each 2·M·K·N over the buffer's M rows,
     times the routed share (the kernel's name is read from its serialized module in
     backend_config, as XLA:GPU prints it); other ops nothing; a start/done ragged
-    all-to-all is one pair."""
+    all-to-all is one pair, hidden when a kernel is scheduled between its start and done."""
     comps, entry = hlo_module.parse_module(GROUPED)
     comp = comps[entry]
     counted = {i.name: kernel_flops.grouped_gemm_flops_of(i, 0.25) for i in comp.instrs}
     assert counted["fwd"] == counted["dw"] == 2 * 4096 * 128 * 256 * 0.25
     assert sum(counted.values()) == counted["fwd"] + counted["dw"]
     assert gpu_program.ragged_all_to_alls(GROUPED) == (1, 0)
+    assert gpu_program.ragged_pairs_hidden(GROUPED) == 0   # the kernels run before the start
+    lines = GROUPED.splitlines()
+    dw = next(x for x in lines if x.startswith("  %dw"))
+    lines.remove(dw)
+    lines.insert(lines.index(next(x for x in lines if x.startswith("  %recv"))), dw)
+    assert gpu_program.ragged_pairs_hidden("\n".join(lines)) == 1   # dW between: hidden
     with pytest.raises(ValueError, match="ragged-all-to-all-start"):
         gpu_program.ragged_all_to_alls(GROUPED.replace("  %recv", "  %recv_gone"
                                                        ).replace("ragged-all-to-all-done", "copy"))

@@ -2,60 +2,26 @@
 
 Nothing executes. These read what only the GPU program has: which attention kernel runs at
 every pipeline depth, cuBLASLt FP8 GEMMs and their result types, each Pallas kernel's
-registers, spills and shared memory, async collectives, and the compiled memory against the
-ledger (which is calibrated here, not on XLA:CPU). Run with `-m gpu_compile` after installing
-the gpu-compile extra (README's third command).
+registers, spills and shared memory, what the MFU breakdown reads of the attention kernels.
+The compiled memory against the ledger is test_gpu_compile_ledger.py's, the pipeline's and
+context parallelism's programs test_gpu_compile_parallel.py's, MoE's test_gpu_compile_moe.py's.
+Run with `-m gpu_compile` after installing the gpu-compile extra (README's third command).
 """
-import json
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from jaxtrain.model import fp8_matmul, moe
-from jaxtrain.model import llama as model_lib
-from jaxtrain.parallel import sharding
-from jaxtrain.tools import gpu_kernels, gpu_program, hlo, hlo_module, pipeline_flops
-from jaxtrain.tools.compile_step import compile_step
-from jaxtrain.config import Fp8Config, ModelConfig, MoeConfig, load_config
-from jaxtrain.ledger import comm, estimate, layout_from_config
-from jaxtrain.ledger.memory import workspace_bytes
+from jaxtrain.model import fp8_matmul
+from jaxtrain.tools import gpu_kernels, gpu_program, hlo, hlo_module
+from jaxtrain.config import Fp8Config
 from jaxtrain.model.kernels import flash_attention
-from jaxtrain.model.kernels import grouped_matmul as gm
-from jaxtrain.model.kernels import grouped_matmul_kernels as gmk
-from util import tiny_config
+from gpu_compile_util import (CUDNN_TARGET, FLASH_KERNELS, LAYOUTS, MOSAIC_KERNELS, assert_fit,
+                              compile_tiny)
 
 pytestmark = pytest.mark.gpu_compile
-
-BF16 = ("--model.compute_dtype=bfloat16", "--model.vocab_size=512", "--train.global_batch=16")
-LAYOUTS = {
-    1: ("--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
-        "--parallel.sequence_parallel=true"),
-    2: ("--parallel.stage=2", "--parallel.data=2", "--parallel.tensor=2",
-        "--parallel.microbatches=4"),
-}
-FLASH_KERNELS = {"jaxtrain_flash_fwd", "jaxtrain_flash_bwd_dkv", "jaxtrain_flash_bwd_dq"}
-MOSAIC_KERNELS = {"jaxtrain_mosaic_flash_fwd", "jaxtrain_mosaic_flash_bwd_dkv",
-                  "jaxtrain_mosaic_flash_bwd_dq"}
-CUDNN_TARGET = re.compile(r'custom_call_target="__cudnn\$fmha')
-H100_SMEM_PER_BLOCK = 232448
-
-
-def _compile(h100, *overrides, n=8, options=None, mosaic_dump=None):
-    cfg = tiny_config(*BF16, *overrides)
-    with gpu_kernels.mosaic_dump(mosaic_dump):
-        return compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(n)),
-                            extra_options=options)
-
-
-def _assert_fit(kernels):
-    """Every kernel within an H100 block's shared memory, 255 registers, without spills."""
-    for x in kernels:
-        assert x.shared_memory <= H100_SMEM_PER_BLOCK, x
-        assert x.registers is not None and x.registers <= 255 and not x.spills, x
 
 
 CONTEXT = {"none": (), "all_gather": ("--parallel.context=2",),
@@ -82,7 +48,7 @@ def test_every_attention_compiles_at_every_pipeline_depth(h100, mosaic_dir, impl
     layout = LAYOUTS[stage] if not CONTEXT[context] else (
         ("--parallel.data=2", "--parallel.tensor=2") if stage == 1 else
         ("--parallel.stage=2", "--parallel.data=2", "--parallel.microbatches=2"))
-    out = _compile(h100, f"--model.attention={impl}", *layout, *CONTEXT[context], *cp,
+    out = compile_tiny(h100, f"--model.attention={impl}", *layout, *CONTEXT[context], *cp,
                    mosaic_dump=mosaic_dir)
     pallas = gpu_kernels.pallas_kernel_names(out.text)
     mosaic = gpu_kernels.mosaic_kernel_names(out.text)
@@ -93,13 +59,13 @@ def test_every_attention_compiles_at_every_pipeline_depth(h100, mosaic_dir, impl
     if mosaic:
         kernels = gpu_kernels.mosaic_kernels(mosaic_dir, mosaic)
         assert {x.name for x in kernels} == MOSAIC_KERNELS
-        _assert_fit(kernels)
+        assert_fit(kernels)
 
 
 def test_collectives_of_a_gpu_program_are_read_per_mesh_axis(h100):
     """hlo reads GPU programs: async start/done pairs count once, combined (tuple) operands,
     reduce-scatters, and the mesh-style replica groups of compile-only devices."""
-    out = _compile(h100, "--model.attention=xla", *LAYOUTS[1])
+    out = compile_tiny(h100, "--model.attention=xla", *LAYOUTS[1])
     colls = hlo.collectives_from_text(out.text, out.mesh)
     opcodes = [i.opcode for c in hlo_module.parsed(out.text)[0].values() for i in c.instrs]
     starts = sum(o.removesuffix("-start") in hlo.KINDS for o in opcodes if o.endswith("-start"))
@@ -127,7 +93,7 @@ def _f8_gemms(text):
 def test_fp8_projections_are_cublaslt_gemms_that_write_the_compute_dtype(h100):
     """Every projection's forward, dgrad and wgrad is one cuBLASLt FP8 GEMM with its scales
     fused, writing bf16 (fp32 accumulation inside): no fp32 GEMM result, no cast kernel."""
-    out = _compile(h100, *FP8, "--parallel.data=2", "--parallel.tensor=2", n=4,
+    out = compile_tiny(h100, *FP8, "--parallel.data=2", "--parallel.tensor=2", n=4,
                    options=NO_TRITON_GEMM)
     comps, reach = hlo_module.parsed(out.text)
     f8 = [(i, reach[c.name].count) for c in comps.values() for i in c.instrs
@@ -145,7 +111,7 @@ def test_fp8_gemms_take_their_scales_in_fp32(h100):
     ones before their all-reduce too) takes both scales as fp32 operands computed without a
     bf16 on the way, and writes bf16. The scale was cast to bf16 before it was applied (10
     of these 21 GEMMs took it rounded; the row-parallel ones multiplied after the all-reduce)."""
-    out = _compile(h100, *FP8, "--parallel.data=2", "--parallel.tensor=2", n=4,
+    out = compile_tiny(h100, *FP8, "--parallel.data=2", "--parallel.tensor=2", n=4,
                    options=NO_TRITON_GEMM)
     gemms = gpu_program.fp8_gemm_scales(out.text)
     assert len(gemms) == 21, gemms  # 7 projections x forward, dgrad, wgrad in the layer loop
@@ -242,7 +208,7 @@ def test_mosaic_kernels_fit_an_h100(h100, tmp_path, fast, b, s, h, kv, d, dv):
     assert gpu_kernels.mosaic_kernel_names(text) == MOSAIC_KERNELS
     kernels = gpu_kernels.mosaic_kernels(tmp_path, MOSAIC_KERNELS)
     assert {x.name for x in kernels} == MOSAIC_KERNELS
-    _assert_fit(kernels)
+    assert_fit(kernels)
 
 
 def test_cudnn_with_packed_documents_carries_the_document_mask(h100):
@@ -265,286 +231,6 @@ def test_cudnn_with_packed_documents_carries_the_document_mask(h100):
         assert f"bf16[{b},1,{s},{s}]" in operands, operands
 
 
-# ----------------------------------------------------------------------------- the ledger
-
-RECIPES = {
-    # (recipe, devices, overrides): the ledger plans what was compiled
-    "llama70b_tp8_sp_fsdp8": ("configs/llama70b.py", 64, [
-        "--parallel.stage=1", "--parallel.virtual_stages=1", "--parallel.schedule=1f1b",
-        "--parallel.fsdp=8", "--parallel.data=1", "--parallel.zero1=false",
-        "--train.global_batch=64"]),
-    # the recipe's per-device shapes (micro-batch 1, 8 microbatches) on 128 devices: data 8
-    "llama70b_pipelined": ("configs/llama70b.py", 128, ["--train.global_batch=64"]),
-    "llama3_8b": ("configs/llama3_8b.py", 8, []),
-    "llama3_8b_128k": ("configs/llama3_8b_128k.py", 8, []),   # context 4, ring, full remat
-    "llama405b": ("configs/llama405b.py", 1024, []),   # PP8 uneven, full remat, data 16
-}
-
-
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_compiled_memory_is_the_ledgers(h100, tmp_path, name):
-    """memory_analysis() of the step compiled for H100s within 10% of the ledger's total less
-    its cuBLAS/NCCL workspace (which a static buffer assignment never holds); the step's
-    attention is the Mosaic GPU kernel (`auto`), within the H100's limits."""
-    path, n, overrides = RECIPES[name]
-    cfg = load_config(path, overrides)
-    out = _compile_recipe(h100, cfg, n, tmp_path)
-    compiled = hlo.memory(out.compiled)["total_bytes"]
-    est = estimate(cfg, layout_from_config(cfg, n), "h100")
-    ledger = est.total_bytes - workspace_bytes(cfg)
-    assert abs(compiled / ledger - 1) <= 0.10, (compiled / 2**30, ledger / 2**30)
-
-
-# Each recipe at a depth that keeps its layout (stages, virtual stages, uneven ends) and
-# compiles in about a minute here
-RECIPE_SLICES = {"llama70b_tp8_sp_fsdp8": ["--model.num_layers=8"],
-                 "llama70b_pipelined": ["--model.num_layers=16"],
-                 "llama3_8b": ["--model.num_layers=4"],
-                 "llama3_8b_128k": ["--model.num_layers=4"],
-                 "llama405b": ["--model.num_layers=22", "--parallel.first_stage_layers=2",
-                               "--parallel.last_stage_layers=2"]}
-
-
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_the_dry_run_reads_each_recipe_like_for_like(h100, name):
-    """On every recipe (depth-sliced), the dry run's headline rows agree with the ledger: the
-    matmul FLOPs a device executes and every mesh axis's wire bytes within 10%, no axis
-    left with an unexplained difference."""
-    from jaxtrain.tools import dry_run, dry_run_report
-    path, n, overrides = RECIPES[name]
-    r = dry_run.dry_run(load_config(path, overrides + RECIPE_SLICES[name]), target="h100",
-                        devices=n, config_name=name)
-    assert not r.changes, r.changes
-    e = r.estimate
-    flops_off = r.executed.mean / (e.hfu_flops_per_step_full_attn / e.n_devices) - 1
-    comm = r.comm_by_axes()
-    assert abs(flops_off) <= 0.10, flops_off
-    assert all(row.off is not None and abs(row.off) <= 0.10 for row in comm.values()), comm
-    assert not dry_run_report.axis_causes(r)
-
-
-def _compile_recipe(h100, cfg, n, dump):
-    """A recipe's step for n H100s; its Mosaic attention kernels checked from the dump."""
-    with gpu_kernels.mosaic_dump(dump):
-        out = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(n)))
-    names = gpu_kernels.mosaic_kernel_names(out.text)
-    assert names == MOSAIC_KERNELS, names
-    _assert_fit(gpu_kernels.mosaic_kernels(dump, names))
-    return out
-
-
-# A model whose layer stack outweighs everything else: 4 layers of 16.8M parameters (bf16:
-# a 128 MiB stack gradient), microbatches of 2 x 128 tokens.
-STACK = ("--model.hidden_size=1024", "--model.num_layers=4", "--model.num_heads=8",
-         "--model.num_kv_heads=8", "--model.mlp_size=4096", "--train.seq_len=128",
-         "--model.max_seq_len=128", "--train.global_batch=8", "--parallel.data=2",
-         "--parallel.microbatches=4")
-
-
-def test_fused_accumulation_holds_no_bf16_stack_gradient(h100, monkeypatch):
-    """Each layer's gradient goes into the fp32 accumulator as the backward makes it: the
-    compiled step holds none of the stack's bf16 gradient but one layer's, as the ledger
-    prices it; the unfused step (each microbatch's gradients added after its backward) holds
-    the whole of it. Measured: a 128 MiB stack gradient; 1257 MiB fused, 1346 MiB unfused (88
-    MiB less; one layer's 32 MiB in flight), ledger 1223 MiB."""
-    import functools
-    from jaxtrain.executors import replica
-    cfg = tiny_config(*BF16, *STACK)
-    mesh = sharding.make_mesh(cfg.parallel, h100(2))
-    fused = hlo.memory(compile_step(cfg, mesh).compiled)["total_bytes"]
-    monkeypatch.setattr(replica, "grad_sums", functools.partial(replica.grad_sums, fuse=False))
-    added = hlo.memory(compile_step(cfg, mesh).compiled)["total_bytes"]
-    est = estimate(cfg, layout_from_config(cfg, 2), "h100")
-    layer = est.static_breakdown["gradients"]             # one layer's bf16 gradient
-    stack = layer * cfg.model.num_layers
-    assert added - fused >= 0.9 * (stack - layer), ((added - fused) / 2**20, stack / 2**20)
-    ledger = est.total_bytes - workspace_bytes(cfg)
-    assert abs(fused / ledger - 1) <= 0.10, (fused / 2**20, ledger / 2**20)
-
-
-# ----------------------------------------------------------------------------- the dry run
-
-def test_dry_run_for_h100_reports_the_gpu_program_as_text_and_json(capsys, h100):
-    from test_dry_run import TINY, train_main
-    assert train_main(["--config", TINY, "--dry-run", "--target", "h100", "--devices", "8",
-                       "--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
-                       "--model.compute_dtype=bfloat16"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run on 8 x H100 SXM5 80GB" in out and "GPU program" in out
-    assert "static overlap" in out and "jaxtrain_mosaic_flash_fwd" in out and ": fits" in out
-    assert "attention core: mosaic (auto: jax" in out  # which kernel, and why
-    assert train_main(["--config", TINY, "--dry-run", "--target", "h100", "--devices", "8",
-                       "--parallel.fsdp=8", "--parallel.data=1", "--json",
-                       "--model.compute_dtype=bfloat16"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    gpu = report["gpu"]
-    assert report["devices"] == 8 and gpu["fits"] is True
-    assert {k["name"] for k in gpu["kernels"]} == MOSAIC_KERNELS
-    assert all(k["spill_stores"] == 0 for k in gpu["kernels"])
-    assert report["attention"]["core"] == "mosaic"
-    assert any(o["axes"] == ["fsdp"] and o["wire_bytes"] > 0 for o in gpu["overlap"])
-    assert gpu["xla_options"]["xla_gpu_enable_pipelined_all_gather"] is True
-    assert report["compiled"]["memory"]["total_bytes"] > 0
-    # static state per term: the H100 program's state arguments against the ledger's
-    ledger_terms, compiled_terms = report["ledger"]["static_terms"], report["compiled"][
-        "state_terms"]
-    for term in ("master", "moments"):
-        assert compiled_terms[term] == pytest.approx(ledger_terms[term], rel=0.01), term
-
-
-def test_a_layout_that_does_not_fit_is_compiled_and_says_by_how_much(capsys, h100):
-    from test_dry_run import train_main
-    assert train_main(["--config", "configs/llama70b.py", "--dry-run", "--target", "h100",
-                       "--devices", "64", "--parallel.stage=1", "--parallel.virtual_stages=1",
-                       "--parallel.schedule=1f1b", "--parallel.fsdp=8", "--parallel.data=1",
-                       "--parallel.zero1=false"]) == 0  # micro-batch 8: ~5x a device
-    out = capsys.readouterr().out
-    assert re.search(r"DOES NOT FIT: [\d.]+ GiB over", out), out[-800:]
-
-
-# ----------------------------------------------------------------------------- the pipeline
-
-def _executed(out):
-    s = out.setup.cfg.parallel
-    from jaxtrain.ledger.pipeline_schedule import build_schedule
-    table = build_schedule(s.schedule, out.mesh.shape["stage"], s.microbatches,
-                           s.virtual_stages).table
-    return pipeline_flops.executed_matmul_flops(out.text, table.columns, out.mesh.shape["stage"],
-                                                s.virtual_stages)
-
-
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_pipelined_step_executes_the_unpipelined_steps_matmuls(h100, schedule, v):
-    """Without recompute a pipelined device runs the matmuls of the unpipelined step's device
-    (same model, batch and device count) within 3%: an F stashes what its B needs and each
-    rank runs only its own ops. Counting every branch of every table step, as the HLO reader
-    does, gives several times that."""
-    layout = ("--parallel.tensor=2", "--model.attention=xla", "--model.num_layers=4")
-    piped = _compile(h100, *layout, "--parallel.stage=2", "--parallel.data=2",
-                     f"--parallel.schedule={schedule}", f"--parallel.virtual_stages={v}",
-                     "--parallel.microbatches=4")
-    flat = _compile(h100, *layout, "--parallel.data=4", "--parallel.microbatches=4")
-    executed, reference = _executed(piped), hlo.matmul_flops_from_text(flat.text)
-    assert 0.97 <= executed.mean / reference <= 1.03, (executed, reference)
-    assert executed.every_branch > 2 * executed.max
-
-
-def test_1f1b_compiled_memory_does_not_grow_with_microbatches(h100):
-    """1F1B's stash is fixed by the stages: from 8 to 32 microbatches of the same size the
-    compiled step's memory grows by the token buffers only (each rank holds 2(p-1-r) stashed
-    residual sets whatever m). GPipe's grows by a residual set per microbatch."""
-    mem = {}
-    for kind in ("1f1b", "gpipe"):
-        for m in (8, 32):
-            out = _compile(h100, "--parallel.stage=4", "--parallel.data=2",
-                           f"--parallel.schedule={kind}", f"--parallel.microbatches={m}",
-                           f"--train.global_batch={2 * m}", "--model.num_layers=4")
-            mem[kind, m] = hlo.memory(out.compiled)["total_bytes"]
-    growth = {k: (mem[k, 32] - mem[k, 8]) / 24 for k in ("1f1b", "gpipe")}
-    assert growth["1f1b"] < 0.05 * growth["gpipe"], (mem, growth)
-    assert mem["1f1b", 32] < 1.02 * mem["1f1b", 8], mem
-
-
-# the Mosaic kernels' head size 128; TP with SP, FSDP and data
-ATTENTION_SHAPES = ("--train.seq_len=256", "--model.max_seq_len=256", "--model.hidden_size=256",
-                    "--model.num_heads=2", *LAYOUTS[1])
-
-
-@pytest.mark.parametrize("impl", ["pallas", "mosaic", "cudnn"])
-def test_attention_kernels_count_as_the_dense_attentions_matmuls(h100, impl):
-    """A step whose attention runs in a kernel executes, as the dry run counts it, the matmul
-    FLOPs of the same step on XLA's attention (dots over the full square): each kernel call
-    counts as the dense attention's matmuls it stands for (measured: equal to the FLOP)."""
-    kernel = _compile(h100, f"--model.attention={impl}", *ATTENTION_SHAPES)
-    dense = _compile(h100, "--model.attention=xla", *ATTENTION_SHAPES)
-    counted = pipeline_flops.executed_matmul_flops(kernel.text, None).mean
-    assert counted == pytest.approx(hlo.matmul_flops_from_text(dense.text), rel=1e-9)
-    assert counted > 1.2 * hlo.matmul_flops_from_text(kernel.text)   # the kernels' share
-
-
-# ----------------------------------------------------------------------------- context
-
-def _float_share(shape: str) -> float:
-    """The floating-point part of a collective's (tuple) shape: K/V and their gradients, not
-    the int32 segment ids and positions the combiner packs in with them."""
-    arrays = re.findall(r"\b[a-z]+\d*\[[\d,]*\]", shape)
-    total = sum(hlo_module.shape_bytes(a) for a in arrays)
-    return sum(hlo_module.shape_bytes(a) for a in arrays if not a.startswith(("s32", "u32"))) / total
-
-
-CP = ("--model.attention=pallas", "--parallel.data=2", "--parallel.context=4",
-      "--parallel.microbatches=2", "--train.seq_len=128", "--model.max_seq_len=128")
-
-
-@pytest.mark.parametrize("remat", ["none", "full"])
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-def test_context_collectives_match_the_ledger_and_the_ring_hides_every_hop(h100, strategy,
-                                                                           remat):
-    """Over `context`, the K/V (and dK/dV) bytes of the GPU program are the ledger's, with full
-    recompute too (whose re-run forward shares its first hop, or its whole gather, with the
-    backward); the ring's permutes are async start/done pairs with a Pallas attention block
-    scheduled between every start and its done, in the forward and the backward loop."""
-    remat_args = ["--remat.granularity=full", "--remat.num_layers=1"] if remat == "full" else []
-    cfg = tiny_config(*BF16, *CP, f"--parallel.context_strategy={strategy}", *remat_args)
-    out = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8)))
-    acs = [a for a in gpu_program.async_collectives(out.text, out.mesh)
-           if a.collective.axes == ("context",)]
-    layout = layout_from_config(cfg, 8)
-    passes = comm.layer_passes(layout, (cfg.model.num_layers,), None, float(remat == "full"))
-    base = comm.layer_passes(layout, (cfg.model.num_layers,), None)
-    want = comm.cp_bytes(cfg, layout, cfg.train.seq_len, passes, passes.forward - base.forward)
-    got = sum(a.collective.wire_bytes_per_step * _float_share(a.collective.shape) for a in acs)
-    assert got == pytest.approx(want, rel=1e-6)
-    if strategy == "ring":
-        hops = [a for a in acs if a.collective.in_loop and _float_share(a.collective.shape) > 0]
-        assert hops and {a.collective.kind for a in hops} == {"collective-permute"}
-        assert all(a.is_async and a.overlapped for a in hops), [
-            (a.collective.op, a.overlapped) for a in hops]
-
-
-def test_ring_attention_inside_pipeline_stages_compiles_for_h100(h100):
-    """stage 2 x context 2 x data 2 with the ring (refused on XLA:CPU, which crashes running
-    it): its hops are collective-permutes over `context` inside the executor's loop (the
-    all-reduces there are the weight gradients GSPMD reduces over context, docs/design.md §9)."""
-    out = _compile(h100, "--model.attention=pallas", "--parallel.stage=2", "--parallel.data=2",
-                   "--parallel.context=2", "--parallel.context_strategy=ring",
-                   "--parallel.microbatches=2", "--train.seq_len=128", "--model.max_seq_len=128")
-    assert gpu_kernels.pallas_kernel_names(out.text) == FLASH_KERNELS
-    kinds = {c.kind for c in hlo.collectives_from_text(out.text, out.mesh)
-             if c.axes == ("context",) and c.in_loop}
-    assert kinds == {"collective-permute", "all-reduce"}, kinds
-
-
-def test_activation_memory_falls_with_the_context_degree(h100):
-    """Llama 3 8B at 64K tokens (tensor 2 + SP) on 8 H100s: the compiled memory one more layer
-    costs (4 layers minus 2, halved; the logits and head cancel) less the ledger's per-layer
-    state is the ledger's per-layer activations, which context parallelism divides by c."""
-    per_layer = {}
-    for c in (1, 2, 4):
-        compiled, ledger = {}, {}
-        for layers in (2, 4):
-            cfg = load_config("configs/llama3_8b.py", [
-                f"--model.num_layers={layers}", "--train.seq_len=65536",
-                "--model.max_seq_len=65536", f"--parallel.context={c}",
-                f"--parallel.data={4 // c}", "--parallel.microbatches=2",
-                f"--train.global_batch={2 * (4 // c)}", "--parallel.context_strategy=ring"])
-            out = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8)))
-            compiled[layers] = hlo.memory(out.compiled)["total_bytes"]
-            ledger[layers] = estimate(cfg, layout_from_config(cfg, 8), "h100")
-        layer_state = (ledger[4].static_bytes - ledger[2].static_bytes) / 2
-        per_layer[c] = (compiled[4] - compiled[2]) / 2 - layer_state
-        assert per_layer[c] == pytest.approx(ledger[4].activation_bytes_per_layer, rel=0.05)
-    assert per_layer[1] / per_layer[2] == pytest.approx(2, rel=0.05)
-    assert per_layer[1] / per_layer[4] == pytest.approx(4, rel=0.05)
-
-
-def test_cudnn_runs_the_all_gather_strategy(h100):
-    """cuDNN's fused attention (forward and backward) attends a context shard's queries to
-    the gathered keys under an explicit causal/document mask."""
-    cfg = tiny_config(*BF16, *CP, "--model.attention=cudnn")
-    text = compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8))).text
-    assert len(CUDNN_TARGET.findall(text)) == 2
-    assert not gpu_kernels.pallas_kernel_names(text)
 
 
 @pytest.mark.parametrize("impl, family", [("pallas", "Pallas flash attention (jaxtrain)"),
@@ -554,7 +240,7 @@ def test_the_mfu_breakdown_tells_attention_kernels_in_a_gpu_program(h100, impl, 
     attention custom calls are attention (their own line under kernel efficiency), not GEMMs,
     and the GEMMs are known by their FLOPs."""
     from jaxtrain.tools import kernel_classes, profile_trace
-    ops = profile_trace.hlo_ops(_compile(h100, f"--model.attention={impl}", n=1).text)
+    ops = profile_trace.hlo_ops(compile_tiny(h100, f"--model.attention={impl}", n=1).text)
     calls = [o for o in ops.values() if o.opcode == "custom-call" and o.kernel]
     attention = {kernel_classes.classify(o.kernel).family for o in calls
                  if kernel_classes.classify(o.kernel).cls == "attention"}
@@ -563,65 +249,3 @@ def test_the_mfu_breakdown_tells_attention_kernels_in_a_gpu_program(h100, impl, 
                    if kernel_classes.classify(o.kernel).cls == "attention")
     assert sum(o.gemm_flops > 0 for o in ops.values()) >= 4
 
-# ----------------------------------------------------------------------------- MoE
-
-MIXTRAL_ROWS, MIXTRAL_D, MIXTRAL_F, MIXTRAL_E = 16384, 4096, 14336, 8  # 8k tokens x top-2
-
-
-def test_grouped_matmul_kernels_fit_an_h100_at_mixtral_shapes(h100, tmp_path):
-    """One Mixtral expert projection's forward, dX and dW (16k routed rows, 4096 x 14336,
-    8 experts) compile to three Mosaic GPU kernels within the shared memory a block may use,
-    without spills, and nothing else in the program multiplies or holds a transposed copy."""
-    sh = SingleDeviceSharding(h100(1)[0])
-    x = jax.ShapeDtypeStruct((MIXTRAL_ROWS, MIXTRAL_D), jnp.bfloat16, sharding=sh)
-    w = jax.ShapeDtypeStruct((MIXTRAL_E, MIXTRAL_D, MIXTRAL_F), jnp.bfloat16, sharding=sh)
-    sizes = jax.ShapeDtypeStruct((MIXTRAL_E,), jnp.int32, sharding=sh)
-
-    def fwd_bwd(x, w, sizes):
-        y, pull = jax.vjp(lambda a, b: gm.grouped_matmul(a, b, sizes), x, w)
-        return y, pull(y)
-    with gpu_kernels.mosaic_dump(tmp_path):
-        compiled = jax.jit(fwd_bwd).lower(x, w, sizes).compile()
-    text = compiled.as_text()
-    assert text.count('custom_call_target="mosaic_gpu_v2"') == 3
-    assert hlo.matmul_flops_from_text(text) == 0
-    assert compiled.memory_analysis().temp_size_in_bytes < 2 ** 20
-    names = gpu_kernels.mosaic_kernel_names(text)
-    assert names == {gmk.PER_GROUP_KERNEL, gmk.ROWS_KERNEL}   # rows: forward and dX
-    kernels = gpu_kernels.mosaic_kernels(tmp_path, names)   # the worst instance of each
-    assert {k.name for k in kernels} == names
-    for k in kernels:
-        assert k.grid == (132, 1, 1) and k.threads == (128,), k
-        assert 0 < k.shared_memory <= 232448, k
-        assert k.registers is not None and k.registers <= 255 and not k.spills, k
-
-
-def test_moe_layer_on_the_kernels_runs_no_expert_dense_gemm(h100):
-    """lax.ragged_dot on XLA:GPU multiplies E times the grouped work (a dense GEMM over every
-    expert, ../shared/notes/moe-and-mosaic-gpu-without-gpu.md); the layer on the kernels runs
-    its experts as Mosaic GPU kernels (3 forward, 6 backward), and only the router is a GEMM;
-    the executed count reads the kernels as the grouped work they do."""
-    sh = SingleDeviceSharding(h100(1)[0])
-    t, d, f, e, k = 2048, 512, 1024, 8, 2
-    cfg = ModelConfig(hidden_size=d, compute_dtype="bfloat16", num_layers=1,
-                      moe=MoeConfig(num_experts=e, top_k=k, mlp_size=f))
-    grouped = 3 * 3 * 2 * (t * k) * d * f     # forward + 2 backward products, 3 projections
-    router = 3 * 2 * t * d * e
-
-    def compiled(grouped_dot):
-        layer = nnx.eval_shape(lambda: moe.MoeLayer(cfg, model_lib.Ops(grouped_dot=grouped_dot),
-                                                    nnx.Rngs(0)))
-        graphdef, state = nnx.split(layer)
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state)
-        x = jax.ShapeDtypeStruct((1, t, d), jnp.bfloat16, sharding=sh)
-
-        def loss(state, x):
-            return jnp.sum(nnx.merge(graphdef, state)(x)[0].astype(jnp.float32) ** 2)
-        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile().as_text()
-    ragged, kernels = compiled(moe.ragged_dot), compiled(gm.grouped_matmul)
-    assert hlo.matmul_flops_from_text(ragged) == pytest.approx(e * grouped + router, rel=0.01)
-    assert hlo.matmul_flops_from_text(kernels) == pytest.approx(router, rel=0.01)
-    assert kernels.count('custom_call_target="mosaic_gpu_v2"') == 9
-    # as the dry run counts them (kernel_flops): every buffer row is routed on one device
-    executed = pipeline_flops.executed_matmul_flops(kernels, None).mean
-    assert executed == pytest.approx(grouped + router, rel=0.01)

@@ -7,9 +7,17 @@ the whole recipe holds per layer: the ledger's memory and MoE FLOPs (activated e
 router, no E-fold dense GEMM), the dispatch's ragged all-to-all pairs and the experts' Mosaic
 GPU grouped GEMMs within an H100's limits. Run with `-m gpu_compile` (the gpu-compile extra).
 """
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
-from jaxtrain.config import load_config
+from jaxtrain.config import ModelConfig, MoeConfig, load_config
+from jaxtrain.model import llama as model_lib
+from jaxtrain.model import moe
+from jaxtrain.model.kernels import grouped_matmul as gm
+from jaxtrain.tools import gpu_kernels, hlo, pipeline_flops
 from jaxtrain.ledger.memory import workspace_bytes
 from jaxtrain.model.kernels import grouped_matmul_kernels as gmk
 
@@ -66,6 +74,19 @@ def test_mixtral_executes_the_ledgers_moe_flops(mixtral):
     assert gemms < 0.25 * r.executed.every_branch, (gemms, r.executed.every_branch)
 
 
+def test_mixtral_data_parallel_bytes_per_axes_are_the_ledgers(mixtral):
+    """The dense params' gradients reduce over data and expert, the experts' over data alone
+    (the ranks that hold the same experts): each within 10% of the ledger's (dry_run.dp_terms);
+    the report counts the dispatch pairs with compute between start and done."""
+    comm = mixtral.comm_by_axes()
+    for axes in (("data", "expert"), ("data",)):
+        row = comm[axes]
+        assert row.ledger and abs(row.off) <= 0.10, (axes, row)
+    g = mixtral.gpu_report
+    assert 0 <= g.ragged_hidden <= g.ragged[0]
+    assert f"{g.ragged_hidden} of {g.ragged[0]} pairs" in g.format()
+
+
 def test_mixtral_dispatch_is_ragged_all_to_all_pairs_and_kernels_fit(mixtral):
     """The dispatch and combine are async ragged all-to-all start/done pairs (none
     synchronous), and the experts run as the two Mosaic GPU grouped GEMM kernels (rows x
@@ -79,3 +100,67 @@ def test_mixtral_dispatch_is_ragged_all_to_all_pairs_and_kernels_fit(mixtral):
     for k in grouped.values():
         assert 0 < k.shared_memory <= H100_SMEM_PER_BLOCK, k
         assert k.registers is not None and k.registers <= 255 and not k.spills, k
+
+
+# ----------------------------------------------------------------------------- MoE
+
+MIXTRAL_ROWS, MIXTRAL_D, MIXTRAL_F, MIXTRAL_E = 16384, 4096, 14336, 8  # 8k tokens x top-2
+
+
+def test_grouped_matmul_kernels_fit_an_h100_at_mixtral_shapes(h100, tmp_path):
+    """One Mixtral expert projection's forward, dX and dW (16k routed rows, 4096 x 14336,
+    8 experts) compile to three Mosaic GPU kernels within the shared memory a block may use,
+    without spills, and nothing else in the program multiplies or holds a transposed copy."""
+    sh = SingleDeviceSharding(h100(1)[0])
+    x = jax.ShapeDtypeStruct((MIXTRAL_ROWS, MIXTRAL_D), jnp.bfloat16, sharding=sh)
+    w = jax.ShapeDtypeStruct((MIXTRAL_E, MIXTRAL_D, MIXTRAL_F), jnp.bfloat16, sharding=sh)
+    sizes = jax.ShapeDtypeStruct((MIXTRAL_E,), jnp.int32, sharding=sh)
+
+    def fwd_bwd(x, w, sizes):
+        y, pull = jax.vjp(lambda a, b: gm.grouped_matmul(a, b, sizes), x, w)
+        return y, pull(y)
+    with gpu_kernels.mosaic_dump(tmp_path):
+        compiled = jax.jit(fwd_bwd).lower(x, w, sizes).compile()
+    text = compiled.as_text()
+    assert text.count('custom_call_target="mosaic_gpu_v2"') == 3
+    assert hlo.matmul_flops_from_text(text) == 0
+    assert compiled.memory_analysis().temp_size_in_bytes < 2 ** 20
+    names = gpu_kernels.mosaic_kernel_names(text)
+    assert names == {gmk.PER_GROUP_KERNEL, gmk.ROWS_KERNEL}   # rows: forward and dX
+    kernels = gpu_kernels.mosaic_kernels(tmp_path, names)   # the worst instance of each
+    assert {k.name for k in kernels} == names
+    for k in kernels:
+        assert k.grid == (132, 1, 1) and k.threads == (128,), k
+        assert 0 < k.shared_memory <= 232448, k
+        assert k.registers is not None and k.registers <= 255 and not k.spills, k
+
+
+def test_moe_layer_on_the_kernels_runs_no_expert_dense_gemm(h100):
+    """lax.ragged_dot on XLA:GPU multiplies E times the grouped work (a dense GEMM over every
+    expert, ../shared/notes/moe-and-mosaic-gpu-without-gpu.md); the layer on the kernels runs
+    its experts as Mosaic GPU kernels (3 forward, 6 backward), and only the router is a GEMM;
+    the executed count reads the kernels as the grouped work they do."""
+    sh = SingleDeviceSharding(h100(1)[0])
+    t, d, f, e, k = 2048, 512, 1024, 8, 2
+    cfg = ModelConfig(hidden_size=d, compute_dtype="bfloat16", num_layers=1,
+                      moe=MoeConfig(num_experts=e, top_k=k, mlp_size=f))
+    grouped = 3 * 3 * 2 * (t * k) * d * f     # forward + 2 backward products, 3 projections
+    router = 3 * 2 * t * d * e
+
+    def compiled(grouped_dot):
+        layer = nnx.eval_shape(lambda: moe.MoeLayer(cfg, model_lib.Ops(grouped_dot=grouped_dot),
+                                                    nnx.Rngs(0)))
+        graphdef, state = nnx.split(layer)
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state)
+        x = jax.ShapeDtypeStruct((1, t, d), jnp.bfloat16, sharding=sh)
+
+        def loss(state, x):
+            return jnp.sum(nnx.merge(graphdef, state)(x)[0].astype(jnp.float32) ** 2)
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile().as_text()
+    ragged, kernels = compiled(moe.ragged_dot), compiled(gm.grouped_matmul)
+    assert hlo.matmul_flops_from_text(ragged) == pytest.approx(e * grouped + router, rel=0.01)
+    assert hlo.matmul_flops_from_text(kernels) == pytest.approx(router, rel=0.01)
+    assert kernels.count('custom_call_target="mosaic_gpu_v2"') == 9
+    # as the dry run counts them (kernel_flops): every buffer row is routed on one device
+    executed = pipeline_flops.executed_matmul_flops(kernels, None).mean
+    assert executed == pytest.approx(grouped + router, rel=0.01)

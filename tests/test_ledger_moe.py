@@ -93,6 +93,28 @@ def test_expert_weights_and_their_optimizer_state_split_over_expert_ranks():
     assert four.static_breakdown["weights"] == pytest.approx(2 * four.params_local)
 
 
+def test_dp_bytes_split_dense_params_over_every_data_rank_and_experts_over_their_peers():
+    """data=8, expert=4: the dense params' gradients are reduced over all 8 data ranks, the
+    experts' over the 8/4 = 2 that hold the same experts (comm.dp_split), and the dry run
+    compares them against the mesh axes they run on: data,expert and data (dry_run.dp_terms);
+    with expert = data no rank shares an expert, so the experts reduce nothing."""
+    from jaxtrain.ledger import comm
+    from jaxtrain.tools import dry_run
+    moe = MoeConfig(num_experts=8, top_k=2)
+    L = ledger.Layout(data=8, expert=4, micro_batch=2)
+    dense, routed = comm.dp_split(L, 1000.0, 600.0)
+    assert (dense, routed) == (400 * 8.0, 600 * 8.0)   # plain DP: fp32 sums, all-reduced
+    assert comm.dp_bytes(L, 1000.0, 600.0) == dense + routed
+    assert comm.dp_split(dataclasses.replace(L, expert=8), 1000.0, 600.0) == (400 * 8.0, 0.0)
+    assert comm.dp_split(dataclasses.replace(L, expert=1), 1000.0, 600.0) == (1000 * 8.0, 0.0)
+    cfg = _small(moe, data=8, expert=4)
+    terms = dry_run.dp_terms(cfg, L, 1.0)
+    assert [(axes, ranks) for axes, _, ranks in terms] == [(("data", "expert"), 8),
+                                                           (("data",), 2)]
+    assert sum(payload for _, payload, _ in terms) == pytest.approx(
+        ledger.estimate(cfg, L, "h100").comm_bytes["dp"])
+
+
 def test_moe_activations_by_tag_and_what_moe_act_and_moe_recompute():
     """One MoE layer's stored bytes (bf16): rows = tokens x top_k; moe_act drops rows·F,
     moe the router choices, gate/up, SwiGLU and expert outputs."""

@@ -1,5 +1,6 @@
-"""The MoE recipes: tiny_moe's model trains on a CPU with falling loss (driven directly: the
-executors refuse model.moe until their expert dispatch lands), and both recipes validate.
+"""The MoE recipes: tiny_moe's model and optimizer train on a CPU with falling loss (the model
+driven directly, to read its router statistics; train.py's MoE runs are
+test_expert_parallel.py's), and both recipes validate.
 The Mixtral recipe's planner numbers are test_docs.py's, its ledger test_ledger_moe.py's."""
 import pathlib
 

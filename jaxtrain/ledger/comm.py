@@ -83,15 +83,25 @@ def bubble_fraction(stage: int, microbatches: int, virtual_stages: int = 1) -> f
     return (stage - 1) / (microbatches * virtual_stages) if stage > 1 else 0.0
 
 
-def dp_bytes(layout: Layout, n_local: float, n_experts_local: float = 0.0) -> float:
-    """Params are replicated over data and context, so both reduce gradients: the fp32
-    gradient sums (4 bytes, what the step reduces), then ZeRO-1's bf16 params gathered; of
-    them the `n_experts_local` expert parameters only over the data·context/expert ranks."""
+def dp_split(layout: Layout, n_local: float, n_experts_local: float = 0.0
+             ) -> tuple[float, float]:
+    """(dense, experts) DP payloads: params are replicated over data and context, so both
+    reduce gradients: the fp32 gradient sums (4 bytes, what the step reduces), then ZeRO-1's
+    bf16 params gathered. With expert ranks the `n_experts_local` expert parameters are
+    reduced only over the data·context/expert ranks that hold the same experts (none when
+    that is 1), the rest over all data·context ranks."""
     if layout.data * layout.context == 1:
-        return 0.0
-    n = n_local - (n_experts_local if layout.data * layout.context == layout.expert else 0.0)
-    shard = n / layout.fsdp
-    return shard * (4 + 2) if layout.zero1 else 2.0 * shard * 4
+        return 0.0, 0.0
+    per = (4 + 2) if layout.zero1 else 2.0 * 4
+    experts = n_experts_local if layout.expert > 1 else 0.0
+    expert_ranks = layout.data * layout.context // layout.expert
+    return ((n_local - experts) / layout.fsdp * per,
+            experts / layout.fsdp * per if expert_ranks > 1 else 0.0)
+
+
+def dp_bytes(layout: Layout, n_local: float, n_experts_local: float = 0.0) -> float:
+    """Both of dp_split's payloads."""
+    return sum(dp_split(layout, n_local, n_experts_local))
 
 
 def fsdp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:

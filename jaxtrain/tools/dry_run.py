@@ -39,8 +39,8 @@ import numpy as np
 
 from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger import Estimate, Executor, Gpu, Layout, LayoutError, estimate, get_gpu
-from jaxtrain.ledger import experts, latent
-from jaxtrain.ledger.layout import layout_from_config
+from jaxtrain.ledger import comm, experts, latent, memory
+from jaxtrain.ledger.layout import layout_from_config, stage_layer_counts
 from jaxtrain.ledger.memory import layer_params_local, state_bytes, workspace_bytes
 from jaxtrain.tools.device_plan import Planned, plan_devices, scale_to_devices
 
@@ -101,6 +101,26 @@ def grouped_rows_share(cfg: Config, layout: Layout) -> float:
     if cfg.model.moe is None:
         return 1.0
     return experts.rows_per_token(cfg) / experts.buffer_rows_per_token(cfg, layout)
+
+
+def dp_terms(cfg: Config, L: Layout, dp_payload: float) -> list[tuple[tuple, float, int]]:
+    """[(mesh axes, the ledger's DP payload over them, their ranks)]: gradients are reduced
+    once over the data-parallel group (data and context); with expert ranks carved out of
+    data the dense params' over data, expert and context, the experts' over data and context
+    alone (the ranks holding the same experts: comm.dp_split)."""
+    group = tuple(a for a in ("data", "context") if L.degree(a) > 1) or ("data",)
+    if L.expert == 1:
+        return [(group, dp_payload, L.data * L.context)]
+    stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
+    dense, routed = comm.dp_split(L, memory.state_params_local(cfg, L, stage_layers),
+                                  memory.expert_params_held(cfg, L, stage_layers))
+    dense_axes = tuple(a for a in ("data", "expert", "context")
+                       if a == "expert" or (a == "data" and L.data > L.expert)
+                       or (a == "context" and L.context > 1))
+    out = [(dense_axes, dense, L.data * L.context)]
+    if routed:
+        out.append((group, routed, L.data * L.context // L.expert))
+    return out
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -171,15 +191,14 @@ class DryRun:
         for (_, axes), b in hlo.summary(self.collectives, wire=True).items():
             every[axes] = every.get(axes, 0.0) + b
         c, L = self.estimate.comm_bytes, self.estimate.layout
-        # Gradients are reduced once over the data-parallel group: data and context.
-        dp_axes = tuple(a for a in ("data", "context") if L.degree(a) > 1) or ("data",)
         # The ledger's DP and FSDP volumes are payloads (§5: Megatron's 2·N for DP), of which
         # a ring moves (g-1)/g over g devices; its other terms are wire bytes already.
         ring = lambda g: (g - 1) / g  # noqa: E731
-        dp_group = L.data * L.context
         # The vocab tables' gradients reach every stage rank in an all-reduce over stage.
-        ledger = {("tensor",): c["tp"], dp_axes: c["dp"] * ring(dp_group),
-                  ("fsdp",): c["fsdp"] * ring(L.fsdp), ("stage",): c["pp"] + c["vocab"]}
+        ledger = {("tensor",): c["tp"], ("fsdp",): c["fsdp"] * ring(L.fsdp),
+                  ("stage",): c["pp"] + c["vocab"]}
+        for axes, payload, ranks in dp_terms(self.cfg, L, c["dp"]):
+            ledger[axes] = ledger.get(axes, 0.0) + payload * ring(ranks)
         if L.context > 1:  # the attention's K/V (and dK/dV) over context
             ledger[("context",)] = ledger.get(("context",), 0.0) + c["cp"]
         keys = [k for k in ledger if ledger[k] or every.get(k)]

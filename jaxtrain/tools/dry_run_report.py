@@ -122,7 +122,9 @@ def _comm_lines(r: DryRun) -> list[str]:
     label = lambda a: "?" if a is None else (",".join(a) or "-")  # noqa: E731
     gb = lambda x: "-" if x is None else f"{x / scale:10.3f}"  # noqa: E731
     kinds = {("tensor",): "TP", ("data",): "DP", ("fsdp",): "FSDP", ("context",): "CP",
-             ("data", "context"): "DP", ("stage",): "PP + vocab"}
+             ("data", "context"): "DP", ("stage",): "PP + vocab",
+             ("data", "expert"): "DP (dense params)",
+             ("data", "expert", "context"): "DP (dense params)"}
     out.append(f"  {'axes':22}  {'ledger':>10}  {'compiled':>10}  {'off':>6}")
     for a, row in comm.items():
         off = "" if row.off is None else f"{row.off:+6.1%}"

@@ -210,6 +210,23 @@ def ragged_all_to_alls(text: str) -> tuple[int, int]:
     return starts, ops.count("")
 
 
+def ragged_pairs_hidden(text: str) -> int:
+    """How many ragged-all-to-all start/done pairs have compute (a GEMM, a kernel, a call)
+    scheduled between them: the dispatch's static overlap, as async_collectives reads it
+    for the other collectives."""
+    comps, _ = hlo_module.parsed(text)
+    hidden = 0
+    for comp in comps.values():
+        for k, instr in enumerate(comp.instrs):
+            if instr.opcode != "ragged-all-to-all-start":
+                continue
+            done = next((j for j in range(k + 1, len(comp.instrs))
+                         if comp.instrs[j].opcode == "ragged-all-to-all-done"
+                         and instr.name in comp.instrs[j].operands), len(comp.instrs))
+            hidden += any(map(_hides, comp.instrs[k + 1:done]))
+    return hidden
+
+
 @dataclasses.dataclass
 class GpuReport:
     """What the dry run adds for a GPU program (module docstring)."""
@@ -221,6 +238,7 @@ class GpuReport:
     xla_options: dict = dataclasses.field(default_factory=dict)  # what it compiled with
     runs: dict | None = None    # computation -> executions per step as a device runs it
     ragged: tuple = (0, 0)      # ragged all-to-alls (the MoE dispatch): start/done pairs, sync
+    ragged_hidden: int = 0      # of those pairs, how many have compute between start and done
 
     @classmethod
     def read(cls, text: str, mesh, dump_dir, device_memory: int, total_bytes,
@@ -233,7 +251,7 @@ class GpuReport:
             ks += mosaic_kernels(mosaic_dir, mosaic)
         return cls(gemm_summary(gemms(text)), async_collectives(text, mesh, collectives), ks,
                    device_memory, total_bytes, dict(xla_options or {}), runs,
-                   ragged_all_to_alls(text))
+                   ragged_all_to_alls(text), ragged_pairs_hidden(text))
 
     def overlap(self) -> dict:
         return overlap_by_axis(self.collectives, self.runs)
@@ -262,6 +280,9 @@ class GpuReport:
             out.append(f"    {backend:12} {dtype:14} {n:5d}  {f:10.4g}  {f / total:5.1%}")
         out.append("  collectives (async start/done pairs, synchronous ops): " + ", ".join(
             f"{k} {p}/{s}" for k, (p, s) in sorted(self.async_pairs().items())))
+        if self.ragged[0]:
+            out.append(f"  ragged all-to-alls (MoE dispatch) with compute between start and done: "
+                       f"{self.ragged_hidden} of {self.ragged[0]} pairs")
         out.append("  static overlap: wire bytes with compute scheduled between start and done"
                    + (" (as a device executes them)" if self.runs is not None else ""))
         for axes, (hidden, all_) in sorted(self.overlap().items(), key=lambda kv: str(kv[0])):
