@@ -12,32 +12,25 @@ jaxtrain.plan --config configs/deepseek_v3_16b.py --devices 16 --gpu h100`, the 
 rates it 33-51% MFU at 46.6 of 72 GiB; its all-to-all moves 439.7 GB per device per step over NVLink. The planner's own pick on 16:
 tensor 4, stage 1, expert 1, remat none, 37-62% MFU at 58.0 of 72 GiB.
 """
-from jaxtrain.config import Config, MlaConfig, ModelConfig, MoeConfig, TrainConfig
+import dataclasses
+
+from jaxtrain.config import Config, ParallelConfig, RematConfig
+
+from . import deepseek_v3
 
 
 def get_config() -> Config:
-    cfg = Config(
-        model=ModelConfig(
-            vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16, num_kv_heads=16,
-            mlp_size=10944, rope_theta=10000.0, max_seq_len=4096, norm_eps=1e-6,
-            compute_dtype="bfloat16",
-            mla=MlaConfig(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
-                          qk_rope_head_dim=64, v_head_dim=128),
-            moe=MoeConfig(num_experts=64, top_k=6, mlp_size=1408, shared_experts=2,
-                          first_k_dense=1, score_function="sigmoid", norm_topk_prob=True,
-                          routed_scaling_factor=2.5, n_group=8, topk_group=4,
-                          expert_bias=True, bias_update_rate=1e-3, aux_loss_coeff=0.0,
-                          seq_aux_loss_coeff=1e-4, dispatch="dropless")),
-        train=TrainConfig(steps=100_000, global_batch=512, seq_len=4096, lr=4.2e-4,
-                          min_lr_ratio=0.1, warmup_steps=2000, weight_decay=0.1, grad_clip=1.0,
-                          workdir="runs/deepseek_v3_16b", log_every=1),
-    )
-    cfg.parallel.tensor = 1
-    cfg.parallel.stage = 1
-    cfg.parallel.expert = 8
-    cfg.parallel.data = -1
-    cfg.parallel.zero1 = True
-    cfg.parallel.microbatches = 32
-    cfg.remat.granularity = "selective"
-    cfg.remat.modules = ("core_attn", "moe")
+    cfg = deepseek_v3.get_config()   # its router, balancing, optimizer and data path
+    m = cfg.model
+    cfg.model = dataclasses.replace(
+        m, vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16, num_kv_heads=16,
+        mlp_size=10944,
+        mla=dataclasses.replace(m.mla, q_lora_rank=0, yarn_factor=1.0, mscale_all_dim=0.0),
+        moe=dataclasses.replace(m.moe, num_experts=64, top_k=6, mlp_size=1408,
+                                shared_experts=2, first_k_dense=1))
+    cfg.train = dataclasses.replace(cfg.train, global_batch=512, lr=4.2e-4,
+                                    workdir="runs/deepseek_v3_16b")
+    cfg.parallel = ParallelConfig(tensor=1, stage=1, expert=8, data=-1, zero1=True,
+                                  microbatches=32)
+    cfg.remat = RematConfig(granularity="selective", modules=("core_attn", "moe"))
     return cfg
