@@ -106,6 +106,19 @@ def test_megatrons_ep64_layout_is_refused_with_the_reason():
         estimate(cfg, plan.explicit_layout(cfg, 1024, expert=64), "h100")
 
 
+def test_a_layout_its_dropless_buffers_overflow_is_told_to_shrink_them():
+    """The 671B's configured layout overflows under full recompute: the ledger's advice names
+    the expert buffers (top_k x expert rows per token) and the capacity dispatch, never more
+    recompute; with capacity-sized buffers the same layout fits."""
+    cfg = _recipe("deepseek_v3")
+    e = estimate(cfg, layout_from_config(cfg, 1024), "h100")
+    assert not e.fits and "more recompute" not in e.reason
+    assert "pad_to_capacity=true" in e.reason and "256 rows per token" in e.reason
+    capped = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
+        cfg.model.moe, dispatch="capacity", pad_to_capacity=True)))
+    assert estimate(capped, layout_from_config(capped, 1024), "h100").fits
+
+
 def test_tiny_deepseek_trains_through_train_py(tmp_path):
     """Ten steps of the recipe through train.py on one CPU device: the loss falls well below
     its start; the MoE line reports the balance statistics."""
