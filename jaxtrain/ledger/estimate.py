@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.config import Config, RematConfig
-from jaxtrain.ledger import comm, experts, flops, memory, pipeline
+from jaxtrain.ledger import comm, experts, fit, flops, memory, pipeline
 from jaxtrain.ledger.hardware import GB, GiB, Gpu, get_gpu
 from jaxtrain.ledger.layout import Layout, stage_layer_counts, validate_layout
 
@@ -266,8 +266,8 @@ def _memory_fields(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, fl
         activation_bytes_by_remat={name: activations(rm).total
                                    for name, rm in REMAT_VARIANTS.items()},
         reserve_bytes=reserve, total_bytes=total, budget_bytes=budget, fits=fits,
-        overflow=overflow, reason=_fit_reason(terms, total, budget, gpu, overflow,
-                           _hint(cfg, L, remat, overflow)),
+        overflow=overflow, reason=fit.reason(terms, total, budget, gpu, overflow,
+                          fit.hint(cfg, L, remat, overflow)),
         pipeline_buffer_bytes=act.buffers)
 
 
@@ -399,36 +399,3 @@ def _ring_exposed(cfg: Config, layout: Layout, seq: int, passes: comm.Passes, ba
     # the forward's work); the last dK/dV hop (home, compute dtype) has no block left.
     backward = (h.backward_kv * max(0.0, kv_s + grads_s - overlap * 2 * block_s) + kv_s)
     return passes.forward * forward + passes.backward * backward
-
-
-_HINTS = {"static": "more tensor/stage parallelism, ZeRO-1 or FSDP",
-          "activations": "more recompute, a smaller micro-batch, more tensor/stage or context "
-                         "parallelism",
-          "reserve": "a smaller micro-batch or more tensor parallelism (vocab-parallel logits)"}
-
-
-def _hint(cfg: Config, layout: Layout, remat: RematConfig, overflow: str) -> str:
-    """What to try for the overflowing term: recompute only where some is left; with expert
-    ranks and dropless buffers (top_k x expert rows per token) the buffers first."""
-    hint = _HINTS.get(overflow, "")
-    if overflow == "activations" and remat.granularity == "full":
-        hint = hint.replace("more recompute, ", "")
-    if (overflow in ("activations", "reserve") and layout.expert > 1
-            and experts.buffer_rows_per_token(cfg, layout) > experts.rows_per_token(cfg)):
-        hint = (f"capacity-sized expert buffers (model.moe.dispatch=capacity, "
-                f"pad_to_capacity=true: the dropless ones hold top_k x expert = "
-                f"{experts.buffer_rows_per_token(cfg, layout):.0f} rows per token) or a "
-                f"smaller parallel.expert; or {hint}")
-    return hint
-
-
-def _fit_reason(terms, total, budget, gpu, overflow, hint: str = "") -> str:
-    line = (f"static {terms['static'] / GiB:.1f} + activations {terms['activations'] / GiB:.1f} "
-            f"+ reserve {terms['reserve'] / GiB:.1f} = {total / GiB:.1f} GiB")
-    cap = (f"{budget / GiB:.1f} GiB budget (90% of {gpu.hbm_bytes / GiB:.0f} GiB "
-           f"{gpu.name})")
-    if not overflow:
-        return f"fits: {line} <= {cap}"
-    alone = terms[overflow] > budget
-    head = f"{overflow} alone exceed" if alone else f"{overflow} overflow"
-    return f"{head}: {line} > {cap}; try {hint}"
