@@ -254,7 +254,7 @@ def compute_params(setup: Setup, params):
 
     def one(path, p, sh):   # the MoE balancing bias stays fp32 (its cotangent carries loads)
         return jax.lax.with_sharding_constraint(
-            p if moe_balance._is_bias(path) else p.astype(dtype), sh)
+            p if moe_balance.is_bias(path) else p.astype(dtype), sh)
     return jax.tree_util.tree_map_with_path(one, params, setup.compute_shardings)
 
 

@@ -21,21 +21,22 @@ import jax.numpy as jnp
 BIAS = "expert_bias"
 
 
-def _is_bias(path) -> bool:
+def is_bias(path) -> bool:
+    """Whether a tree path names a balancing-bias leaf."""
     return bool(path) and str(getattr(path[-1], "key", path[-1])) == BIAS
 
 
 def has_bias(tree: Any) -> bool:
     """Whether a params-shaped pure dict holds a balancing bias."""
-    return any(_is_bias(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+    return any(is_bias(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
 def take_loads(grads: Any) -> tuple[Any, Any]:
     """(loads, grads): the bias leaves' cotangents (per-expert loads, a params-shaped tree
     with None elsewhere) and the gradients with zeros in their place."""
-    loads = jax.tree_util.tree_map_with_path(lambda p, g: g if _is_bias(p) else None, grads)
+    loads = jax.tree_util.tree_map_with_path(lambda p, g: g if is_bias(p) else None, grads)
     grads = jax.tree_util.tree_map_with_path(
-        lambda p, g: jnp.zeros_like(g) if _is_bias(p) else g, grads)
+        lambda p, g: jnp.zeros_like(g) if is_bias(p) else g, grads)
     return loads, grads
 
 
@@ -43,7 +44,7 @@ def update(params: Any, loads: Any, rate: float) -> Any:
     """The params with every bias leaf moved by rate·sign(mean load - load) along its last
     (expert) axis; the other leaves as they are."""
     def one(path, p, load):
-        if not _is_bias(path):
+        if not is_bias(path):
             return p
         load = load.astype(jnp.float32)
         error = jnp.mean(load, axis=-1, keepdims=True) - load
