@@ -52,7 +52,7 @@ def check(cfg: Config, n_devices: int) -> Layout:
     devices; the layout it runs as."""
     validate(cfg)
     layout = layout_from_config(cfg, n_devices)
-    check_expert(cfg.model, cfg.parallel, layout.data)
+    check_expert(cfg.model, cfg.parallel, layout.data, layout.tensor, cfg.fp8.enabled)
     moe = cfg.model.moe
     if layout.stage > 1 and moe is not None and not all(cfg.model.moe_layers):
         raise ConfigError(f"parallel.stage={layout.stage} with dense layers among the MoE ones "

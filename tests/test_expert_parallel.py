@@ -70,8 +70,8 @@ def test_expert_parallel_dispatch_equals_the_local_one():
     w_EDD = jnp.asarray(rng.standard_normal((e, d, d)), jnp.float32)
 
     def run(dispatch, x, weights, w, experts, keep):
-        experts_fn = lambda rows, sizes: jax.lax.ragged_dot(rows, w, sizes)  # noqa: E731
-        return dispatch(x, experts, weights, keep, e, experts_fn)
+        experts_fn = lambda w, rows, sizes: jax.lax.ragged_dot(rows, w, sizes)  # noqa: E731
+        return dispatch(x, experts, weights, keep, e, experts_fn, w)
 
     def loss(f):
         return lambda *a: jnp.sum(jnp.sin(f(*a)))

@@ -19,8 +19,8 @@ from jaxtrain.config.loading import (
     apply_overrides, derive, from_dict, load_config, load_recipe, parse_value, set_value)
 from jaxtrain.config.rules import (
     CONTEXT_STRATEGIES, DEGREES, FP8_ALIGN, check_batch_split, check_context_core,
-    check_context_split, check_expert, check_fill, check_fp8, check_gqa, check_mla, check_moe,
-    padded_vocab, parse_duration, parse_mixture, validate, validate_data)
+    check_context_split, check_expert, check_expert_split, check_fill, check_fp8, check_gqa,
+    check_mla, check_moe, expert_from_data, folds, padded_vocab, parse_duration, parse_mixture, validate, validate_data)
 
 __all__ = [
     "CheckpointConfig",
@@ -52,6 +52,9 @@ __all__ = [
     "check_context_core",
     "check_context_split",
     "check_expert",
+    "check_expert_split",
+    "expert_from_data",
+    "folds",
     "check_fill",
     "check_fp8",
     "check_gqa",

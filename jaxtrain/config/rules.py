@@ -248,23 +248,58 @@ def check_moe(m: ModelConfig, fp8_enabled: bool = False) -> None:
            "path (FP8 runs the grouped GEMM); set model.moe.pad_to_capacity=false")
 
 
-def check_expert(m: ModelConfig, p: ParallelConfig, data: int = 0) -> None:
-    """parallel.expert against the model and, once resolved (`data` > 0), the data degree
-    it is carved out of."""
-    _check(p.expert >= 1, f"parallel.expert={p.expert} must be >= 1 (1: no expert parallelism)")
-    if p.expert == 1:
+def folds(tensor: int, expert_tensor: int) -> bool:
+    """Whether the experts fold over the tensor ranks (MoE parallel folding: expert_tensor=1
+    with tensor > 1): each expert whole on one rank, the tensor ranks more expert ranks."""
+    return expert_tensor == 1 and tensor > 1
+
+
+def expert_from_data(expert: int, tensor: int, expert_tensor: int) -> int:
+    """How many of the `expert` ranks are carved out of the data-parallel ones: all of them,
+    or under folding expert / tensor (the tensor ranks are the rest): the mesh's `expert`."""
+    return expert // tensor if folds(tensor, expert_tensor) else expert
+
+
+def check_expert_split(m: ModelConfig, expert: int, data: int, tensor: int, expert_tensor: int,
+                       error: type[ConfigError] = ConfigError) -> None:
+    """An expert degree against the model and, once resolved (> 0), the data and tensor
+    degrees it is carved out of: the config's rule and the planner's, one function."""
+    _check(expert >= 1, f"parallel.expert={expert} must be >= 1 (1: no expert parallelism)",
+           error)
+    _check(expert_tensor in (0, 1) or expert_tensor == tensor, f"parallel.expert_tensor="
+           f"{expert_tensor}: the experts' tensor degree is 0 (as parallel.tensor) or 1 (MoE "
+           "parallel folding); set one of those", error)
+    if expert == 1:
         return
-    _check(m.moe is not None, f"parallel.expert={p.expert} but the model has no MoE layer "
-           "(model.moe unset); set model.moe or parallel.expert=1")
-    _check(m.moe.num_experts % p.expert == 0, f"model.moe.num_experts={m.moe.num_experts} is "
-           f"not divisible by parallel.expert={p.expert}; each expert rank holds an equal "
-           "share of the experts, so pick a divisor")
-    _check(data <= 0 or data % p.expert == 0, f"parallel.expert={p.expert} does not divide "
-           f"parallel.data={data}: the expert ranks are carved out of the data-parallel ranks "
-           "(Megatron's expert-model-parallel); make parallel.data a multiple of it")
+    _check(m.moe is not None and any(m.moe_layers), f"parallel.expert={expert} but the model "
+           "has no MoE layer; set model.moe or parallel.expert=1", error)
+    _check(m.moe.num_experts % expert == 0, f"model.moe.num_experts={m.moe.num_experts} is "
+           f"not divisible by parallel.expert={expert}; each expert rank holds an equal "
+           f"share of the experts, so pick a divisor of {m.moe.num_experts}", error)
+    fold = folds(tensor, expert_tensor)
+    _check(not fold or expert % tensor == 0, f"parallel.expert={expert} with "
+           f"parallel.expert_tensor=1 counts the {tensor} tensor ranks as expert ranks; make "
+           f"parallel.expert a multiple of parallel.tensor={tensor}", error)
+    carved = expert_from_data(expert, tensor, expert_tensor)
+    where = f"expert/tensor={carved} of them are" if fold else "the expert ranks are"
+    _check(data <= 0 or data % carved == 0, f"parallel.expert={expert} does not fit "
+           f"parallel.data={data}: {where} carved out of the data-parallel ranks; make "
+           f"parallel.data a multiple of {carved}", error)
     _check(not m.moe.pad_to_capacity, f"model.moe.pad_to_capacity=true with parallel.expert="
-           f"{p.expert}: the expert-parallel dispatch sends the kept rows (the same output, no "
-           "padding); set model.moe.pad_to_capacity=false")
+           f"{expert}: the expert-parallel dispatch sends the kept rows (the same output, no "
+           "padding); set model.moe.pad_to_capacity=false", error)
+
+
+def check_expert(m: ModelConfig, p: ParallelConfig, data: int = 0, tensor: int = 0,
+                 fp8_enabled: bool = False) -> None:
+    """parallel.expert against the model and, once resolved (`data`, `tensor` > 0), the
+    degrees it is carved out of; folding's own limits."""
+    tensor = tensor or p.tensor
+    check_expert_split(m, p.expert, data, tensor, p.expert_tensor)
+    if p.expert > 1 and folds(tensor, p.expert_tensor):
+        _check(not fp8_enabled, "fp8.enabled=true with parallel.expert_tensor=1: the experts' "
+               "per-expert FP8 metas are not split over the folded ranks; set fp8.enabled="
+               "false or parallel.expert_tensor=0")
 
 
 def validate(cfg: Config) -> None:
@@ -276,7 +311,7 @@ def validate(cfg: Config) -> None:
     check_gqa(m)
     check_moe(m, cfg.fp8.enabled)
     check_mla(m, cfg.fp8.enabled)
-    check_expert(m, p, p.data)
+    check_expert(m, p, p.data, fp8_enabled=f.enabled)
     _check(m.head_dim > 0 or m.hidden_size % m.num_heads == 0,
            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
            "set model.head_dim explicitly")

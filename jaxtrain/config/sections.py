@@ -201,6 +201,12 @@ class ParallelConfig(_Section):
     # data-parallel ranks (`data`), which it must divide; the experts are split over it, every
     # other weight stays data-parallel over all of `data` (docs/design.md §8).
     expert: int = 1
+    # The experts' tensor parallelism (Megatron's --expert-tensor-parallel-size): 0 (its
+    # default, "as parallel.tensor") splits each expert's mlp dim over `tensor`; 1 is MoE
+    # parallel folding: each expert whole on one rank, the tensor ranks serving as more
+    # expert ranks. parallel.expert then counts all of them, (ranks carved out of data) x
+    # tensor, so it must be a multiple of parallel.tensor (DeepSeek-V3's TP2 EP64 on data 32).
+    expert_tensor: int = 0
 
 
 @dataclasses.dataclass

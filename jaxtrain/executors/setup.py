@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import config_check, optim, weights
 from jaxtrain.checkpoint import CheckpointMismatchError, check_shapes
-from jaxtrain.config import Config, ConfigError, padded_vocab
+from jaxtrain.config import Config, ConfigError, folds, padded_vocab
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
@@ -31,6 +31,7 @@ from jaxtrain.model.fp8 import Fp8Converter
 from jaxtrain.parallel import (context_attention, expert_dispatch, grad_accumulation,
                                layer_order, remat, sharded_kernels, sharding)
 from jaxtrain.parallel.layer_order import LayerOrder
+from jaxtrain.parallel.mesh_axes import TENSOR
 from jaxtrain.parallel.pipeline import chunk_layer_counts
 from jaxtrain.train_state import TrainState
 
@@ -95,12 +96,20 @@ class Setup:
         return nnx.merge(self.graphdef, state, metas)
 
 
-def grouped_dot_for(model_cfg, mesh) -> tuple[Any, str]:
+def folded(cfg: Config, mesh: Mesh | None) -> bool:
+    """Whether `cfg` folds the experts over the tensor ranks of `mesh` (MoE parallel folding:
+    the dispatch, the experts' specs and the grouped GEMM follow)."""
+    return (mesh is not None and cfg.parallel.expert > 1
+            and folds(mesh.shape[TENSOR], cfg.parallel.expert_tensor))
+
+
+def grouped_dot_for(model_cfg, mesh, fold: bool = False) -> tuple[Any, str]:
     """(the MoE experts' Ops.grouped_dot, why) on `mesh`: the Mosaic GPU kernels
     (kernels/grouped_matmul) on sm_90 GPUs when the experts' shapes and dtype fit them and no
     automatic axis splits the expert GEMM (the kernel is opaque to GSPMD; inside the
-    executors' shard_maps data, expert and context are manual); else lax.ragged_dot, which
-    XLA:GPU at jax 0.10 runs as an E-fold dense GEMM (docs/design.md §8)."""
+    executors' shard_maps data, expert and context are manual, and under folding, `fold`,
+    the dispatch's own makes tensor manual); else lax.ragged_dot, which XLA:GPU at jax 0.10
+    runs as an E-fold dense GEMM (docs/design.md §8)."""
     from jaxtrain.model import moe as moe_lib
     from jaxtrain.model.kernels import grouped_matmul as gm
     if model_cfg.moe is None or sharding.platform(mesh) != "gpu":
@@ -108,7 +117,7 @@ def grouped_dot_for(model_cfg, mesh) -> tuple[Any, str]:
     cc = sharding.compute_capability(mesh) or ""
     if not cc.startswith("9."):
         return moe_lib.ragged_dot, f"compute capability {cc or 'unknown'}, the kernels are sm_90a"
-    split = [a for a in ("tensor", "fsdp") if mesh.shape[a] > 1]
+    split = [a for a in ("fsdp",) + (() if fold else ("tensor",)) if mesh.shape[a] > 1]
     if split:
         return moe_lib.ragged_dot, f"{'/'.join(split)} > 1 would split the opaque kernel"
     unit = math.lcm(gm.GroupedMatmulConfig.block_m, gm.GroupedMatmulConfig.block_n,
@@ -141,8 +150,9 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                          fp8=Fp8Converter.of(cfg.fp8),
                          span_runner=lambda start, stop: grad_accumulation.accumulating(
                              spans(start, stop), start),
-                         dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh)),
-                         grouped_dot=grouped_dot_for(cfg.model, mesh)[0])
+                         dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh),
+                                                               folded(cfg, mesh)),
+                         grouped_dot=grouped_dot_for(cfg.model, mesh, folded(cfg, mesh))[0])
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
@@ -167,8 +177,9 @@ def build(cfg: Config, mesh: Mesh) -> Setup:
                                 real_vocab=cfg.model.vocab_size)))
     logical = sharding.logical_axes(abstract_state)
     shapes = nnx.to_pure_dict(abstract_state)
-    master = sharding.param_specs(logical, shapes, mesh, zero1=cfg.parallel.zero1)
-    compute = sharding.param_specs(logical, shapes, mesh)
+    fold = folded(cfg, mesh)
+    master = sharding.param_specs(logical, shapes, mesh, zero1=cfg.parallel.zero1, folded=fold)
+    compute = sharding.param_specs(logical, shapes, mesh, folded=fold)
     return Setup(cfg, mesh, graphdef, abstract_state, logical, sharding.named(mesh, master),
                  sharding.named(mesh, compute), optim.make_optimizer(cfg.train), model_cfg,
                  ops, abstract_meta, order)

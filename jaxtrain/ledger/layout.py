@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxtrain.config import Config, ConfigError, check_batch_split, check_context_split, check_fill
+from jaxtrain.config import (Config, ConfigError, check_batch_split, check_context_split,
+                             check_expert_split, check_fill, folds)
 from jaxtrain.ledger.pipeline_schedule import ScheduleError, validate as schedule_rules
 
 # Fastest-varying first: device order puts tensor innermost (Megatron's tp-cp-dp-pp).
@@ -36,10 +37,22 @@ class Layout:
     zero1: bool = False
     schedule: str = "1f1b"    # gpipe | 1f1b | interleaved_1f1b (the one with virtual_stages > 1)
     expert: int = 1           # expert ranks, carved out of data (no devices of their own)
+    expert_tensor: int = 0    # 1: MoE parallel folding (expert counts the tensor ranks too)
 
     @property
     def n_devices(self) -> int:
         return self.tensor * self.stage * self.data * self.fsdp * self.context
+
+    @property
+    def folded(self) -> bool:
+        """MoE parallel folding: each expert whole on one of expert ranks that span the tensor
+        ranks (parallel.expert_tensor=1 with tensor > 1)."""
+        return self.expert > 1 and folds(self.tensor, self.expert_tensor)
+
+    @property
+    def expert_tensor_degree(self) -> int:
+        """The tensor split of each expert's SwiGLU: 1 when folded, else the tensor degree."""
+        return 1 if self.folded else self.tensor
 
     @property
     def global_batch(self) -> int:
@@ -51,8 +64,9 @@ class Layout:
     def span(self, axis: str) -> int:
         """Consecutive devices one group along `axis` covers (device order AXES_FAST_TO_SLOW;
         the expert ranks are the fastest part of data, as Megatron orders tp-cp-ep-dp-pp)."""
-        if axis == "expert":
-            return self.tensor * self.context * self.fsdp * self.expert
+        if axis == "expert":   # folded: the tensor ranks are expert ranks already
+            return self.tensor * self.context * self.fsdp * self.expert // (
+                self.tensor if self.folded else 1)
         span = 1
         for a in AXES_FAST_TO_SLOW:
             span *= self.degree(a)
@@ -70,7 +84,7 @@ class Layout:
         if self.context > 1:
             parts.append(f"context={self.context}")
         if self.expert > 1:
-            parts.append(f"expert={self.expert}")
+            parts.append(f"expert={self.expert}{'(folded)' if self.folded else ''}")
         parts.append(f"micro_batch={self.micro_batch} x {self.microbatches} microbatches")
         return " ".join(parts)
 
@@ -111,7 +125,8 @@ def layout_from_config(cfg: Config, n_devices: int) -> Layout:
                     virtual_stages=p.virtual_stages,
                     micro_batch=cfg.train.global_batch // per_step, microbatches=p.microbatches,
                     sequence_parallel=p.sequence_parallel and sizes["tensor"] > 1,
-                    zero1=p.zero1, schedule=p.schedule, expert=p.expert)
+                    zero1=p.zero1, schedule=p.schedule, expert=p.expert,
+                    expert_tensor=p.expert_tensor)
     validate_layout(cfg, layout, n_devices)
     return layout
 
@@ -138,7 +153,12 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
                           "the other (KV heads are sharded, or replicated when fewer than t)")
     if m.mlp_size % t:
         raise LayoutError(f"model.mlp_size={m.mlp_size} is not divisible by tensor={t}")
-    check_expert_split(cfg, L.expert, L.data)
+    check_expert_split(m, L.expert, L.data, t, L.expert_tensor, LayoutError)
+    tokens = L.micro_batch * seq_len // L.context     # one MoE layer call's tokens a rank
+    if L.folded and tokens % t:
+        raise LayoutError(f"micro_batch x seq_len/context = {tokens} tokens is not divisible "
+                          f"by tensor={t}: under parallel.expert_tensor=1 each tensor rank "
+                          "dispatches its share; change the micro-batch or the sequence")
     check_context_split(seq_len, L.context, cfg.parallel.context_load_balance, LayoutError)
     if L.sequence_parallel and (seq_len // L.context) % t:
         raise LayoutError(f"seq_len/context={seq_len // L.context} is not divisible by tensor={t}"
@@ -157,22 +177,6 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
             f"data*fsdp*micro_batch*microbatches = {L.data}*{L.fsdp}*{L.micro_batch}*"
             f"{L.microbatches} = {L.global_batch} but train.global_batch="
             f"{cfg.train.global_batch}; change the micro-batch, the microbatches or the batch")
-
-
-def check_expert_split(cfg: Config, expert: int, data: int) -> None:
-    """Expert ranks need MoE layers, a divisor of the experts and of the data degree."""
-    if expert == 1:
-        return
-    e = cfg.model.moe
-    if e is None or not any(cfg.model.moe_layers):
-        raise LayoutError(f"expert={expert} with no MoE layer: expert parallelism shards "
-                          "model.moe's experts; set model.moe or expert=1")
-    if e.num_experts % expert:
-        raise LayoutError(f"model.moe.num_experts={e.num_experts} is not divisible by expert="
-                          f"{expert}; choose an expert degree among {divisors(e.num_experts)}")
-    if data % expert:
-        raise LayoutError(f"expert={expert} does not divide data={data} (the expert ranks are "
-                          f"carved out of the data-parallel ones); choose among {divisors(data)}")
 
 
 def stage_layer_counts(cfg: Config, stage: int, virtual_stages: int = 1) -> tuple[int, ...]:

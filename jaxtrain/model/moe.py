@@ -221,12 +221,14 @@ def _batched(x_ECD, w_EDF):
     return jnp.einsum("ecd,edf->ecf", x_ECD, w_EDF)
 
 
-def local_dispatch(x_TD, experts_TK, weights_TK, keep_TK, num_experts: int, experts_fn):
-    """The default Ops.dispatch (every expert here): permute, `experts_fn(x_ND,
-    group_sizes_E)` on the rows sorted by expert, unpermute. Expert parallelism's
-    (parallel/expert_dispatch.py) has the same contract and puts its all-to-alls between."""
+def local_dispatch(x_TD, experts_TK, weights_TK, keep_TK, num_experts: int, experts_fn,
+                   params):
+    """The default Ops.dispatch (every expert here): permute, `experts_fn(params, x_ND,
+    group_sizes_E)` on the rows sorted by expert (`params`: the experts' weights, a tree of
+    [experts, ...] leaves), unpermute. Expert parallelism's (parallel/expert_dispatch.py) has
+    the same contract and puts its all-to-alls between; under folding it splits `params`."""
     x_ND, perm = permute(x_TD, experts_TK, num_experts, keep_TK)
-    return unpermute(experts_fn(x_ND, perm.group_sizes_E), perm.order_N, weights_TK)
+    return unpermute(experts_fn(params, x_ND, perm.group_sizes_E), perm.order_N, weights_TK)
 
 
 def unpermute(y_ND, order_N, weights_TK):
@@ -315,10 +317,10 @@ class MoeLayer(nnx.Module):
                                                               self.fp8_down)]
                 weights = list(zip(weights, metas))
 
-            def experts_fn(x_ND, group_sizes):
+            def experts_fn(weights, x_ND, group_sizes):
                 return expert_swiglu(x_ND, *weights, self._grouped_matmul(fp8, group_sizes))
             y_TD = self.ops.dispatch(x_TD, experts_TK, weights_TK, keep_TK, e.num_experts,
-                                     experts_fn)
+                                     experts_fn, weights)
         y_BSD = y_TD.reshape(b, s, d).astype(self.compute_dtype)
         if self.shared is not None:
             y_BSD = y_BSD + checkpoint_name(self.shared(x_BSD, fp8), "shared_experts")

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain import compat
 from jaxtrain.parallel.mesh_axes import (CONTEXT, DATA, EXPERT, MESH_AXES, REPLICA_AXES,
                                          ROW_AXES)
-from jaxtrain.config import Config, ParallelConfig
+from jaxtrain.config import Config, ParallelConfig, expert_from_data
 from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
 
 # logical axis -> (mesh axes for parameters, mesh axes for activations)
@@ -44,15 +44,24 @@ RULES: dict[str, tuple] = {
     "layers":   ("stage",  None),     # pipeline: each stage holds its layers
     "experts":  ("expert", None),     # expert parallelism: each expert rank its experts
 }
+# MoE parallel folding (parallel.expert_tensor=1): the experts split over expert x tensor,
+# each whole on its rank; their mlp dim then finds `tensor` taken and stays whole.
+FOLDED_RULES: dict[str, tuple] = {**RULES, "experts": (("expert", "tensor"), None)}
+
+
+def rules(folded: bool = False) -> dict[str, tuple]:
+    """The logical->mesh table: RULES, or FOLDED_RULES under MoE parallel folding."""
+    return FOLDED_RULES if folded else RULES
 
 
 def mesh_shape(parallel_cfg: Config | ParallelConfig, n_devices: int) -> dict[str, int]:
     """Mesh degrees with the -1 filled (the ledger's arithmetic, so the two always agree), in
     MESH_AXES order: parallel.data's ranks split into `data` x `expert` (the expert ranks are
-    carved out of the data-parallel ones; config_check.check_expert says it divides)."""
+    carved out of the data-parallel ones, under folding expert/tensor of them;
+    config_check.check_expert says it divides)."""
     cfg = parallel_cfg if isinstance(parallel_cfg, Config) else Config(parallel=parallel_cfg)
     degrees = resolve_degrees(cfg, n_devices)
-    expert = cfg.parallel.expert
+    expert = expert_from_data(cfg.parallel.expert, degrees["tensor"], cfg.parallel.expert_tensor)
     degrees.update(data=degrees["data"] // expert, expert=expert)
     return {a: degrees[a] for a in MESH_AXES}
 
@@ -79,15 +88,16 @@ def flat_axes(axes) -> tuple:
     return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
-def mesh_axes_for(name, column, mesh, dim):
+def mesh_axes_for(name, column, mesh, dim, folded: bool = False):
     """The mesh axes (one name, a tuple, or None) that logical axis `name` maps to for a dim of
-    size `dim`: column 0 for parameters, 1 for activations. Axes of size 1, the context mesh's
-    manual axes and splits that do not divide `dim` are left out."""
+    size `dim`: column 0 for parameters, 1 for activations (`folded`: FOLDED_RULES). Axes of
+    size 1, the context mesh's manual axes and splits that do not divide `dim` are left out."""
     if name is None:
         return None
-    if name not in RULES:
-        raise KeyError(f"logical axis {name!r} has no rule; known: {', '.join(RULES)}")
-    axes = RULES[name][column]
+    table = rules(folded)
+    if name not in table:
+        raise KeyError(f"logical axis {name!r} has no rule; known: {', '.join(table)}")
+    axes = table[name][column]
     if axes is None:
         return None
     axes = flat_axes(axes)
@@ -98,14 +108,15 @@ def mesh_axes_for(name, column, mesh, dim):
     return axes[0] if len(axes) == 1 else axes
 
 
-def logical_to_spec(names: Iterable, shape, mesh: Mesh, *, params: bool, overrides=None) -> P:
+def logical_to_spec(names: Iterable, shape, mesh: Mesh, *, params: bool, overrides=None,
+                    folded: bool = False) -> P:
     column = 0 if params else 1
     out, used = [], set()
     for name, dim in zip(names, shape):
         if overrides and name in overrides:
             axes = overrides[name]
         else:
-            axes = mesh_axes_for(name, column, mesh, dim)
+            axes = mesh_axes_for(name, column, mesh, dim, folded)
         flat = flat_axes(axes)
         if any(a in used for a in flat):
             axes = None
@@ -119,11 +130,12 @@ def logical_axes(abstract_state):
     return compat.logical_partition_specs(abstract_state)
 
 
-def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False):
+def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False,
+                folded: bool = False):
     """Mesh PartitionSpecs for parameter-shaped arrays; with `zero1`, also sharded over the
-    data-parallel group (data x context)."""
+    data-parallel group (data x context); `folded`: the experts by FOLDED_RULES."""
     def one(names, x):
-        spec = logical_to_spec(tuple(names), x.shape, mesh, params=True)
+        spec = logical_to_spec(tuple(names), x.shape, mesh, params=True, folded=folded)
         return add_data_axis(spec, x.shape, mesh) if zero1 else spec
     return jax.tree.map(one, logical_tree, shape_tree, is_leaf=lambda x: isinstance(x, P))
 

@@ -272,8 +272,8 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
     flash = chosen[0] in ("pallas", "mosaic", "cudnn")
     grouped = ()
     if scaled.model.moe is not None:
-        from jaxtrain.executors.setup import grouped_dot_for
-        dot, why = grouped_dot_for(scaled.model, mesh)
+        from jaxtrain.executors.setup import folded, grouped_dot_for
+        dot, why = grouped_dot_for(scaled.model, mesh, folded(scaled, mesh))
         grouped = ("mosaic" if dot.__module__.endswith("grouped_matmul") else "ragged_dot", why)
     est = estimate(scaled, layout_from_config(scaled, len(present)), gpu, flash=flash)
     with tempfile.TemporaryDirectory(prefix="jaxtrain-dump-") as dump:
