@@ -83,6 +83,7 @@ def test_a_folded_pipeline_step_has_the_data_parallel_gradients():
         np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_folded_tensor2_sp_expert4_trains_as_one_device(tmp_path):
     """train.py, 3 steps fp32: expert 4 folded over data 4 x tensor 2 + SP = one device."""
     want = tmp_path / "one"

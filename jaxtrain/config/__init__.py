@@ -20,7 +20,8 @@ from jaxtrain.config.loading import (
 from jaxtrain.config.rules import (
     CONTEXT_STRATEGIES, DEGREES, FP8_ALIGN, check_batch_split, check_context_core,
     check_context_split, check_expert, check_expert_split, check_fill, check_fp8, check_gqa,
-    check_mla, check_moe, expert_from_data, folds, padded_vocab, parse_duration, parse_mixture, validate, validate_data)
+    check_mla, check_moe, expert_from_data, folds, padded_vocab, parse_duration, parse_mixture,
+    validate, validate_data)
 
 __all__ = [
     "CheckpointConfig",

@@ -54,7 +54,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxtrain.config import Config, padded_vocab
-from jaxtrain.ledger import latent
+from jaxtrain.ledger import experts as experts_lib, latent
 from jaxtrain.ledger.hardware import Gpu
 from jaxtrain.ledger.layout import Layout
 from jaxtrain.ledger.pipeline import Executor, chunk_input_bytes
@@ -94,7 +94,7 @@ def dp_split(layout: Layout, n_local: float, n_experts_local: float = 0.0
         return 0.0, 0.0
     per = (4 + 2) if layout.zero1 else 2.0 * 4
     experts = n_experts_local if layout.expert > 1 else 0.0
-    expert_ranks = layout.data * layout.context // layout.expert
+    expert_ranks = experts_lib.expert_data_ranks(layout)
     return ((n_local - experts) / layout.fsdp * per,
             experts / layout.fsdp * per if expert_ranks > 1 else 0.0)
 

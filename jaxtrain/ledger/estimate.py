@@ -280,7 +280,7 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
     recomputed = (flops.recomputed_layers(remat, stage_layers, L.virtual_stages)
                   / cfg.model.num_layers if remat.granularity == "full" else 0.0)
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
-    layer_local = memory.layer_params_local(cfg, L.tensor, L.expert)
+    layer_local = memory.layer_params_local(cfg, L.tensor, L.expert, L.expert_tensor)
     # the forward passes full recompute adds (the backward reuses what they gather)
     rerun = passes.forward - comm.layer_passes(L, stage_layers, ex).forward
     volumes = {"dp": comm.dp_bytes(L, n_state, n_expert),

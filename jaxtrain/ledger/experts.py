@@ -19,6 +19,11 @@ Conventions:
   balanced. The kernels skip row tiles in no group, so FLOPs follow the routed rows and
   memory the buffer's (`buffer_rows_per_token`); with pad_to_capacity both are the [E, C]
   slots.
+- MoE parallel folding (parallel.expert_tensor=1, `Layout.folded`): `expert` counts the tensor
+  ranks too (expert/t carved out of data); each expert is whole on its rank (E/ep experts, no
+  /t), and each tensor rank routes its T/t of the layer's tokens, so rows, buffers and
+  all-to-all bytes per device take T/t tokens over the ep-rank group, whose span is the
+  unfolded group's (t·c·fsdp·ep/t devices).
 - All-to-all (the alltoall dispatcher): a forward pass sends the rows out and their outputs
   back, two all-to-alls of (ep-1)/ep · rows · h in the compute dtype; the backward pass the
   same two with cotangents. The expert ranks are the fastest-varying part of `data` (device
@@ -34,7 +39,7 @@ Conventions:
 """
 from __future__ import annotations
 
-from jaxtrain.config import Config, RematConfig
+from jaxtrain.config import Config, RematConfig, expert_from_data
 from jaxtrain.ledger.flops import expert_rows_per_token
 from jaxtrain.ledger.layout import Layout
 
@@ -76,11 +81,18 @@ def layer_tokens(cfg: Config, layout: Layout, seq_len: int) -> float:
     return seq_len / layout.context * layout.micro_batch
 
 
+def dispatched_tokens(cfg: Config, layout: Layout, seq_len: int) -> float:
+    """Tokens a device dispatches to the experts per MoE layer and microbatch: the routed
+    ones, under folding its tensor rank's 1/t of them."""
+    return layer_tokens(cfg, layout, seq_len) / (layout.tensor if layout.folded else 1)
+
+
 def expert_params_local(cfg: Config, layout: Layout) -> float:
-    """One MoE layer's routed expert parameters held per device: E/ep experts' SwiGLU / t."""
+    """One MoE layer's routed expert parameters held per device: E/ep experts' SwiGLU / t
+    (whole under folding)."""
     m = cfg.model
     return (m.moe.num_experts / layout.expert * 3 * m.hidden_size * m.expert_mlp_size
-            / layout.tensor)
+            / layout.expert_tensor_degree)
 
 
 def moe_layer_params_local(cfg: Config, layout: Layout, attention_and_norms: float) -> float:
@@ -93,8 +105,10 @@ def moe_layer_params_local(cfg: Config, layout: Layout, attention_and_norms: flo
 
 
 def expert_data_ranks(layout: Layout) -> int:
-    """The ranks an expert's weights are data-parallel over (their gradient's reduction)."""
-    return layout.data * layout.context // layout.expert
+    """The ranks an expert's weights are data-parallel over (their gradient's reduction):
+    data·context over the expert ranks carved out of data."""
+    return layout.data * layout.context // expert_from_data(layout.expert, layout.tensor,
+                                                            layout.expert_tensor)
 
 
 def activation_bytes_by_tag(cfg: Config, layout: Layout, seq_len: int) -> dict[str, float]:
@@ -103,8 +117,8 @@ def activation_bytes_by_tag(cfg: Config, layout: Layout, seq_len: int) -> dict[s
     m, t = cfg.model, layout.tensor
     c = 4 if m.compute_dtype == "float32" else 2
     tokens = layer_tokens(cfg, layout, seq_len)
-    rows = tokens * buffer_rows_per_token(cfg, layout)
-    f, fs, h = m.expert_mlp_size / t, m.shared_mlp_size / t, m.hidden_size
+    rows = dispatched_tokens(cfg, layout, seq_len) * buffer_rows_per_token(cfg, layout)
+    f, fs, h = m.expert_mlp_size / layout.expert_tensor_degree, m.shared_mlp_size / t, m.hidden_size
     return {"moe_router": tokens * m.moe.top_k * (4 + 4), "moe_in": 2 * c * rows * f,
             "moe_act": c * rows * f, "moe_out": c * rows * h,
             "shared_in": 2 * c * tokens * fs, "shared_act": c * tokens * fs,
@@ -127,7 +141,7 @@ def dispatch_buffer_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
     if layout.expert == 1 or not any(cfg.model.moe_layers):
         return 0.0
     c = 4 if cfg.model.compute_dtype == "float32" else 2
-    rows = layer_tokens(cfg, layout, seq_len) * cfg.model.moe.top_k
+    rows = dispatched_tokens(cfg, layout, seq_len) * cfg.model.moe.top_k
     return c * (1 + layout.expert) * rows * cfg.model.hidden_size
 
 
@@ -137,7 +151,7 @@ def all_to_all_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
     ep = layout.expert
     if ep == 1:
         return 0.0
-    rows = layer_tokens(cfg, layout, seq_len) * rows_per_token(cfg)
+    rows = dispatched_tokens(cfg, layout, seq_len) * rows_per_token(cfg)
     return 2 * (ep - 1) / ep * rows * cfg.model.hidden_size * 2
 
 

@@ -91,23 +91,26 @@ def fp8_meta_bytes(cfg: Config) -> float:
     return cfg.model.num_layers * projections * 3 * (2 + cfg.fp8.amax_history_len) * 4
 
 
-def _layer_kinds_local(cfg: Config, tensor: int, expert: int) -> tuple[float, float]:
+def _layer_kinds_local(cfg: Config, tensor: int, expert: int, expert_tensor: int = 0
+                       ) -> tuple[float, float]:
     """(a dense layer's, an MoE layer's) parameters per device (KV replicated when
-    kv_heads < t; an MoE layer's E/expert experts, ledger.experts)."""
+    kv_heads < t; an MoE layer's E/expert experts, ledger.experts; `expert_tensor` 1:
+    folded, each expert whole)."""
     m = cfg.model
     per = param_counts(m).per_layer
     attention = latent.attention_params_local(m, tensor)   # GQA or MLA
     dense = attention + (per["gate"] + per["up"] + per["down"]) / tensor
     if m.moe is None:
         return dense, dense
-    return dense, experts.moe_layer_params_local(cfg, Layout(tensor=tensor, expert=expert),
-                                                 attention)
+    layout = Layout(tensor=tensor, expert=expert, expert_tensor=expert_tensor)
+    return dense, experts.moe_layer_params_local(cfg, layout, attention)
 
 
-def layer_params_local(cfg: Config, tensor: int, expert: int = 1) -> float:
+def layer_params_local(cfg: Config, tensor: int, expert: int = 1, expert_tensor: int = 0
+                       ) -> float:
     """Parameters of one layer held per tensor rank; with MoE layers averaged over the dense
     and MoE ones (exact when every layer, or none, is MoE)."""
-    dense, moe = _layer_kinds_local(cfg, tensor, expert)
+    dense, moe = _layer_kinds_local(cfg, tensor, expert, expert_tensor)
     frac = experts.moe_fraction(cfg) if cfg.model.moe is not None else 0.0
     return (1 - frac) * dense + frac * moe
 
@@ -158,7 +161,7 @@ def held_layers(layout: Layout, stage_layers: tuple[int, ...]) -> int:
 
 def _layers_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
     """The layers' parameters on the device holding the most MoE layers."""
-    dense, moe = _layer_kinds_local(cfg, layout.tensor, layout.expert)
+    dense, moe = _layer_kinds_local(cfg, layout.tensor, layout.expert, layout.expert_tensor)
     n_moe = held_moe_layers(cfg, layout, stage_layers)
     return n_moe * moe + (held_layers(layout, stage_layers) - n_moe) * dense
 
@@ -196,12 +199,14 @@ def static_bytes(cfg: Config, layout: Layout, n_local: float,
         # fused (executors/replica.fuses): one layer's compute-dtype gradient on its way into
         # the accumulator; else, with microbatches to add up, the stack's
         fused = layout.context == 1 and not any(cfg.model.moe_layers)
-        grad_params = (layer_params_local(cfg, layout.tensor, layout.expert) if fused
+        grad_params = (layer_params_local(cfg, layout.tensor, layout.expert,
+                                        layout.expert_tensor) if fused
                        else n_local if layout.microbatches > 1 else 0.0)
         out["gradients"] = grad_params * _compute_bytes(cfg) / layout.fsdp
     out["fp8_meta"] = fp8_meta_bytes(cfg)
     # FSDP all-gathers a layer's bf16 weights before use; two layers in flight for prefetch.
-    out["other"] = (2 * 2 * layer_params_local(cfg, layout.tensor, layout.expert)
+    out["other"] = (2 * 2 * layer_params_local(cfg, layout.tensor, layout.expert,
+                                        layout.expert_tensor)
                     if layout.fsdp > 1 else 0.0)
     return out
 
@@ -354,7 +359,8 @@ def chunk_weight_copy_bytes(cfg: Config, layout: Layout, remat: RematConfig,
     mixed = fp8.enabled and (fp8.bf16_first_layers or fp8.bf16_last_layers)
     if remat.granularity == "full" or not (len(set(stage_layers)) > 1 or mixed):
         return 0.0
-    return (chunk_layers * layer_params_local(cfg, layout.tensor, layout.expert)
+    return (chunk_layers * layer_params_local(cfg, layout.tensor, layout.expert,
+                                        layout.expert_tensor)
             * DTYPE_BYTES[cfg.model.compute_dtype])
 
 
@@ -366,7 +372,8 @@ def pipeline_static_bytes(cfg: Config, layout: Layout, remat: RematConfig,
     microbatch's at once); other, with virtual stages the F's and the B's slice of their chunk
     out of the rank's v (a dynamic index: XLA copies it), and the copy a per-layer switch
     makes (chunk_weight_copy_bytes)."""
-    weights = (chunk_layers * layer_params_local(cfg, layout.tensor, layout.expert)
+    weights = (chunk_layers * layer_params_local(cfg, layout.tensor, layout.expert,
+                                        layout.expert_tensor)
                * DTYPE_BYTES[cfg.model.compute_dtype])
     return {"gradients": weights,
             "other": (weights * (2 if layout.virtual_stages > 1 else 0)

@@ -87,7 +87,7 @@ def layer_matmul_params(cfg: Config, layout: Layout) -> float:
     """One layer's parameters a token multiplies per device (the layers' mean): the held ones,
     with an MoE layer's E/ep held experts replaced by the rows per token its experts run."""
     m, t = cfg.model, layout.tensor
-    held = layer_params_local(cfg, t, layout.expert)
+    held = layer_params_local(cfg, t, layout.expert, layout.expert_tensor)
     if m.moe is None:
         return held
     frac = experts.moe_fraction(cfg)
