@@ -132,7 +132,8 @@ class Estimate:
         L = self.layout
         gib = lambda x: round(x / GiB, 3)  # noqa: E731
         out = {"tensor": L.tensor, "stage": L.stage, "data": L.data, "fsdp": L.fsdp,
-               "context": L.context, "expert": L.expert, "virtual_stages": L.virtual_stages,
+               "context": L.context, "expert": L.expert, "expert_tensor": L.expert_tensor,
+               "virtual_stages": L.virtual_stages,
                "micro_batch": L.micro_batch, "microbatches": L.microbatches,
                "sequence_parallel": L.sequence_parallel, "zero1": L.zero1,
                "schedule": L.schedule, "remat": self.remat, "flash": self.flash,

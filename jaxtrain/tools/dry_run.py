@@ -114,12 +114,13 @@ def dp_terms(cfg: Config, L: Layout, dp_payload: float) -> list[tuple[tuple, flo
     stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
     dense, routed = comm.dp_split(L, memory.state_params_local(cfg, L, stage_layers),
                                   memory.expert_params_held(cfg, L, stage_layers))
+    carved = L.data * L.context // experts.expert_data_ranks(L)   # the mesh's expert axis
     dense_axes = tuple(a for a in ("data", "expert", "context")
-                       if a == "expert" or (a == "data" and L.data > L.expert)
+                       if (a == "expert" and carved > 1) or (a == "data" and L.data > carved)
                        or (a == "context" and L.context > 1))
     out = [(dense_axes, dense, L.data * L.context)]
     if routed:
-        out.append((group, routed, L.data * L.context // L.expert))
+        out.append((group, routed, experts.expert_data_ranks(L)))
     return out
 
 

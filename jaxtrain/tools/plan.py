@@ -8,7 +8,8 @@
 The walk: tensor parallelism inside the NVLink domain (degrees that divide the heads and KV
 heads) -> for each tensor degree and recompute level, the smallest pipeline degree that fits
 (layers divisible), with virtual stages and micro-batch 1 or 2 -> with MoE layers, expert
-parallelism (each degree dividing the experts and the data ranks it is carved from; recompute
+parallelism (each degree dividing the experts and the data ranks it is carved from, and with
+tensor > 1 also folded over the tensor ranks, parallel.expert_tensor=1; recompute
 levels also Megatron's moe_act and moe modules) -> data parallelism (ZeRO-1) fills the rest
 -> context parallelism (with each tensor degree that leaves room for it) when
 nothing fits without it or the sequence is long (>= 32K tokens). Every candidate is
@@ -91,12 +92,17 @@ def stage_options(cfg: Config, n_devices: int, per_stage: int) -> list[int]:
     return opts
 
 
-def expert_options(cfg: Config, data: int) -> list[int]:
-    """Expert degrees: divisors of the experts that divide the data ranks (1 without MoE)."""
+def expert_options(cfg: Config, data: int, tensor: int = 1) -> list[tuple[int, int]]:
+    """(expert degree, expert_tensor) pairs: divisors of the experts that divide the data
+    ranks, and under tensor > 1 the folded degrees (x·tensor, x dividing the data ranks);
+    (1, 0) without MoE."""
     e = cfg.model.moe
     if e is None or not any(cfg.model.moe_layers):
-        return [1]
-    return [x for x in divisors(e.num_experts) if data % x == 0]
+        return [(1, 0)]
+    plain = [(x, 0) for x in divisors(e.num_experts) if data % x == 0]
+    folded = [(x, 1) for x in divisors(e.num_experts)
+              if tensor > 1 and x % tensor == 0 and data % (x // tensor) == 0]
+    return plain + folded
 
 
 def _layouts(cfg: Config, n_devices: int, t: int, p: int, c: int, fsdp: int):
@@ -120,11 +126,11 @@ def _layouts(cfg: Config, n_devices: int, t: int, p: int, c: int, fsdp: int):
         for v in chunk_opts:
             if v > 1 and m % p:
                 continue
-            for ep in expert_options(cfg, d):
+            for ep, et in expert_options(cfg, d, t):
                 yield Layout(tensor=t, stage=p, data=d, fsdp=fsdp, context=c, virtual_stages=v,
                              micro_batch=b, microbatches=m, sequence_parallel=t > 1,
                              zero1=d * c > 1, schedule="interleaved_1f1b" if v > 1 else "1f1b",
-                             expert=ep)
+                             expert=ep, expert_tensor=et)
 
 
 def _costed(cfg, gpu, layouts, remat_name):
@@ -300,9 +306,11 @@ _TERM = {"static": "static_bytes", "activations": "activation_bytes", "reserve":
 
 def explicit_layout(cfg: Config, n_devices: int, *, tensor=None, stage=None, virtual_stages=None,
                     context=None, micro_batch=None, fsdp=None, sequence_parallel=None,
-                    zero1=None, expert=None) -> Layout:
+                    zero1=None, expert=None, expert_tensor=None) -> Layout:
     """The config's layout with some degrees replaced; data (or the config's -1) fills."""
     par = dataclasses.replace(cfg.parallel)
+    if expert_tensor is not None:   # 0 (as tensor) or 1 (folded): check_expert_split's rule
+        par.expert_tensor = expert_tensor
     for name, val in (("tensor", tensor), ("stage", stage), ("context", context),
                       ("fsdp", fsdp), ("virtual_stages", virtual_stages), ("expert", expert)):
         if val is not None:
@@ -336,7 +344,8 @@ def explicit_layout(cfg: Config, n_devices: int, *, tensor=None, stage=None, vir
                   fsdp=sizes["fsdp"], context=sizes["context"],
                   virtual_stages=par.virtual_stages, micro_batch=micro_batch,
                   microbatches=microbatches, sequence_parallel=sp and sizes["tensor"] > 1,
-                  zero1=z1, schedule=par.schedule, expert=par.expert)
+                  zero1=z1, schedule=par.schedule, expert=par.expert,
+                  expert_tensor=par.expert_tensor)
 
 
 def main(argv=None) -> int:
@@ -347,6 +356,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print a JSON list of candidates")
     for flag in ("tensor", "stage", "virtual-stages", "context", "micro-batch", "fsdp", "expert"):
         ap.add_argument(f"--{flag}", type=int, default=None)
+    ap.add_argument("--expert-tensor", type=int, default=None, choices=(0, 1),
+                    help="the experts' tensor degree (Megatron's --expert-tensor-parallel-size): "
+                         "0 as --tensor, 1 folds them (--expert counts the tensor ranks too)")
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
@@ -356,7 +368,7 @@ def main(argv=None) -> int:
         cfg = with_shape(load_config(args.config), args.seq_len, args.global_batch)
         gpu = get_gpu(args.gpu)
         explicit = {k: getattr(args, k) for k in ("tensor", "stage", "virtual_stages", "context",
-                                                  "micro_batch", "expert")}
+                                                  "micro_batch", "expert", "expert_tensor")}
         if any(v is not None for v in explicit.values()):
             from jaxtrain.tools.plan_flags import flagged_estimate
             est, notes = flagged_estimate(cfg, args.devices, gpu, explicit, fsdp=args.fsdp,
