@@ -30,7 +30,7 @@ def _row(i: int, c: Candidate) -> list[str]:
     def cm(k):
         return f"{e.comm_bytes[k] / GB:.1f}/{e.comm_seconds[k]:.2f}" if e.comm_bytes[k] else "-"
     return [str(i), mark, str(L.tensor), str(L.stage), str(L.data), str(L.context),
-            str(L.expert), str(L.virtual_stages), str(L.micro_batch), str(L.microbatches), f"{e.bubble:.1%}",
+            f"{L.expert}{'f' if L.folded else ''}", str(L.virtual_stages), str(L.micro_batch), str(L.microbatches), f"{e.bubble:.1%}",
             f"{e.static_bytes / GiB:.1f}",
             "/".join(f"{a[k] / GiB:.1f}" for k in ("none", "selective", "full")),
             _remat_short(e.remat), f"{e.total_bytes / GiB:.1f}", "yes" if e.fits else "NO",
@@ -49,7 +49,7 @@ def format_plan(p: Plan) -> str:
     head = (f"{p.n_devices} x {p.gpu.name}: {e0.params_total / 1e9:.2f} B params, seq "
             f"{e0.seq_len}, global batch {e0.global_batch}; memory in GiB (budget "
             f"{e0.budget_bytes / GiB:.1f} = 90% of {p.gpu.hbm_bytes / GiB:.0f}), comm in GB per "
-            "device per step / seconds on nominal links")
+            "device per step / seconds on nominal links; ep 8f: folded over the tensor ranks")
     out = [head, "", "derivation:"] + [f"  {w}" for w in p.walk] + ["", format_table(p.candidates),
                                                                      ""]
     rec = p.recommended
