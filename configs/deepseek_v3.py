@@ -11,9 +11,11 @@ Multi-token prediction (num_nextn_predict_layers 1, loss factor 0.3 then 0.1) is
 yet: it is switched on here once it lands, and then sits on the last stage (last_stage_layers=1
 leaves it the room).
 
-Megatron's layout table runs it on 1024 GPUs as TP2 PP16 EP64. EP64 is not expressible here:
-jaxtrain carves the expert ranks out of `data` only, and TP2 PP16 leaves data 32 (Megatron folds
-EP over TP x DP for the experts). The configured layout is the nearest: tensor 2 with sequence
+Megatron's layout table runs it on 1024 GPUs as TP2 PP16 EP64. TP2 PP16 leaves data 32, so
+EP64 needs MoE parallel folding (parallel.expert_tensor=1: 32 expert ranks carved out of data x
+the 2 tensor ranks, each expert whole); the ledger says that does not fit dropless either:
+16-27% MFU at 82.1 of 72 GiB (its receive buffers hold 64 x top_k rows of the whole expert per
+dispatched token). The configured layout is the nearest that does less badly: tensor 2 with sequence
 parallelism, stage 16 (15 stages of 4 layers and a last of 1), expert 32, 256 microbatches of
 one 4096-token sequence (global batch 8192), ZeRO-1, full recompute, dropless. The ledger
 (`python -m jaxtrain.plan --config configs/deepseek_v3.py --devices 1024 --gpu h100`, the
@@ -28,7 +30,7 @@ even share dropped) the layout fits: 11-19% MFU at 45.3 of 72 GiB. At expert 8 i
 11-20% MFU at 57.5 of 72 GiB. Its all-to-all moves 2658.5 GB per device per step over the NIC
 (32 expert ranks x tensor 2 span 8 nodes): 53 s of a 8.3 s ideal step, which caps the MFU;
 DeepSeek's node-limited routing, which bounds that traffic, is not modelled. The planner's own
-pick: tensor 8, stage 16, expert 1, remat full(uniform,1), 27-45% MFU at 59.3 of 72 GiB.
+pick: tensor 4, stage 16, expert 8 folded, remat full(uniform,1), 28-45% MFU at 64.4 of 72 GiB.
 """
 from jaxtrain.config import Config, MlaConfig, ModelConfig, MoeConfig, TrainConfig
 

@@ -89,7 +89,7 @@ def test_moe_section_is_created_by_overrides_and_round_trips():
 
 @pytest.mark.parametrize("overrides, message", [
     ([MOE, "--parallel.expert=3"], "num_experts=8 is not divisible by parallel.expert=3"),
-    (["--parallel.expert=2"], "parallel.expert=2 but the model has no MoE layer"),
+    (["--parallel.expert=2"], "parallel.expert=2 with no MoE layer"),
     ([MOE, "--parallel.expert=4", "--parallel.tensor=4"],
      "expert=4 does not divide data=2 .the expert ranks are carved out"),
     ([MOE, "--parallel.expert=2", "--parallel.data=4", "--parallel.tensor=4"],

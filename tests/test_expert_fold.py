@@ -122,7 +122,7 @@ def test_folded_tiny_deepseek_trains_as_one_device(tmp_path):
     (["--parallel.data=2", "--parallel.tensor=4", "--parallel.expert=2", *FOLD],
      "make parallel.expert a multiple of parallel.tensor=4"),
     (["--parallel.data=2", "--parallel.tensor=2", "--parallel.context=2",
-      "--parallel.expert=8", *FOLD], "make parallel.data a multiple of 4"),
+      "--parallel.expert=8", *FOLD], "carves expert/tensor=4 ranks out of parallel.data=2"),
     (["--parallel.data=4", "--parallel.tensor=2", "--parallel.expert=4", *FOLD,
       "--fp8.enabled=true"], "fp8.enabled=true with parallel.expert_tensor=1"),
     (["--parallel.data=8", "--parallel.tensor=1", "--parallel.expert=16", *FOLD],

@@ -39,8 +39,8 @@ def _a2a(e) -> str:
 def _pick(cfg, devices) -> str:
     e = plan.plan(cfg, devices, "h100").recommended.estimate
     L = e.layout
-    return (f"tensor {L.tensor}, stage {L.stage}, expert {L.expert}, remat {e.remat}, "
-            f"{_mem(e)}")
+    return (f"tensor {L.tensor}, stage {L.stage}, expert {L.expert}"
+            f"{' folded' if L.folded else ''}, remat {e.remat}, {_mem(e)}")
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -99,11 +99,16 @@ def test_deepseek_docstrings_quote_the_planner(recipe, claim):
     assert claim in text
 
 
-def test_megatrons_ep64_layout_is_refused_with_the_reason():
-    """TP2 PP16 on 1024 leaves data 32; expert ranks come out of data only."""
+def test_megatrons_ep64_layout_needs_folding_and_overflows_dropless():
+    """TP2 PP16 on 1024 leaves data 32: EP64 out of data alone is refused, naming folding;
+    folded over the tensor ranks it is priced, and its dropless buffers overflow."""
     cfg = _recipe("deepseek_v3")
-    with pytest.raises(LayoutError, match=r"^expert=64 does not divide data=32 "):
+    with pytest.raises(LayoutError, match=r"^expert=64 does not divide data=32 .*"
+                                          r"fold the 2 tensor ranks in \(expert_tensor=1\)"):
         estimate(cfg, plan.explicit_layout(cfg, 1024, expert=64), "h100")
+    e = estimate(cfg, plan.explicit_layout(cfg, 1024, expert=64, expert_tensor=1), "h100")
+    assert e.layout.folded and not e.fits and e.overflow == "activations"
+    assert _mem(e) in " ".join((ROOT / "configs/deepseek_v3.py").read_text().split())
 
 
 def test_a_layout_its_dropless_buffers_overflow_is_told_to_shrink_them():

@@ -261,42 +261,54 @@ def expert_from_data(expert: int, tensor: int, expert_tensor: int) -> int:
 
 
 def check_expert_split(m: ModelConfig, expert: int, data: int, tensor: int, expert_tensor: int,
-                       error: type[ConfigError] = ConfigError) -> None:
+                       error: type[ConfigError] = ConfigError, key: str = "parallel.") -> None:
     """An expert degree against the model and, once resolved (> 0), the data and tensor
-    degrees it is carved out of: the config's rule and the planner's, one function."""
-    _check(expert >= 1, f"parallel.expert={expert} must be >= 1 (1: no expert parallelism)",
-           error)
-    _check(expert_tensor in (0, 1) or expert_tensor == tensor, f"parallel.expert_tensor="
-           f"{expert_tensor}: the experts' tensor degree is 0 (as parallel.tensor) or 1 (MoE "
+    degrees it is carved out of: the config's rule and the planner's, one function (`key`:
+    how the degrees are named, "parallel." for the config, "" for the planner's layouts)."""
+    def divisors(n):
+        return [x for x in range(1, n + 1) if n % x == 0]
+    _check(expert >= 1, f"{key}expert={expert} must be >= 1 (1: no expert parallelism)", error)
+    _check(expert_tensor in (0, 1) or expert_tensor == tensor, f"{key}expert_tensor="
+           f"{expert_tensor}: the experts' tensor degree is 0 (as {key}tensor) or 1 (MoE "
            "parallel folding); set one of those", error)
     if expert == 1:
         return
-    _check(m.moe is not None and any(m.moe_layers), f"parallel.expert={expert} but the model "
-           "has no MoE layer; set model.moe or parallel.expert=1", error)
+    _check(m.moe is not None and any(m.moe_layers), f"{key}expert={expert} with no MoE layer "
+           f"(model.moe unset or every layer dense): expert parallelism shards model.moe's "
+           f"experts; set model.moe or {key}expert=1", error)
     _check(m.moe.num_experts % expert == 0, f"model.moe.num_experts={m.moe.num_experts} is "
-           f"not divisible by parallel.expert={expert}; each expert rank holds an equal "
-           f"share of the experts, so pick a divisor of {m.moe.num_experts}", error)
+           f"not divisible by {key}expert={expert}; each expert rank holds an equal share of "
+           f"the experts: choose an expert degree among {divisors(m.moe.num_experts)}", error)
     fold = folds(tensor, expert_tensor)
-    _check(not fold or expert % tensor == 0, f"parallel.expert={expert} with "
-           f"parallel.expert_tensor=1 counts the {tensor} tensor ranks as expert ranks; make "
-           f"parallel.expert a multiple of parallel.tensor={tensor}", error)
+    _check(not fold or expert % tensor == 0, f"{key}expert={expert} with {key}expert_tensor=1 "
+           f"counts the {tensor} tensor ranks as expert ranks; make {key}expert a multiple of "
+           f"{key}tensor={tensor}", error)
     carved = expert_from_data(expert, tensor, expert_tensor)
-    where = f"expert/tensor={carved} of them are" if fold else "the expert ranks are"
-    _check(data <= 0 or data % carved == 0, f"parallel.expert={expert} does not fit "
-           f"parallel.data={data}: {where} carved out of the data-parallel ranks; make "
-           f"parallel.data a multiple of {carved}", error)
-    _check(not m.moe.pad_to_capacity, f"model.moe.pad_to_capacity=true with parallel.expert="
-           f"{expert}: the expert-parallel dispatch sends the kept rows (the same output, no "
-           "padding); set model.moe.pad_to_capacity=false", error)
+    if fold:
+        _check(data <= 0 or data % carved == 0, f"{key}expert={expert} with {key}expert_tensor=1"
+               f" carves expert/tensor={carved} ranks out of {key}data={data}, which it does not "
+               f"divide; make {key}data a multiple of {carved}", error)
+    hint = (f"; or fold the {tensor} tensor ranks in ({key}expert_tensor=1)"
+            if tensor > 1 and expert % tensor == 0 and data > 0 and data % (expert // tensor) == 0
+            else "")
+    _check(data <= 0 or data % carved == 0, f"expert={expert} does not divide data={data} (the "
+           f"expert ranks are carved out of the data-parallel ones, Megatron's expert-model-"
+           f"parallel); choose among {divisors(data) if data > 0 else []}{hint}", error)
 
 
 def check_expert(m: ModelConfig, p: ParallelConfig, data: int = 0, tensor: int = 0,
                  fp8_enabled: bool = False) -> None:
     """parallel.expert against the model and, once resolved (`data`, `tensor` > 0), the
-    degrees it is carved out of; folding's own limits."""
+    degrees it is carved out of; then the program's own limits, which the planner's layouts
+    need not meet: no padded capacity under expert ranks, no FP8 experts folded."""
     tensor = tensor or p.tensor
     check_expert_split(m, p.expert, data, tensor, p.expert_tensor)
-    if p.expert > 1 and folds(tensor, p.expert_tensor):
+    if p.expert == 1:
+        return
+    _check(not m.moe.pad_to_capacity, f"model.moe.pad_to_capacity=true with parallel.expert="
+           f"{p.expert}: the expert-parallel dispatch sends the kept rows (the same output, no "
+           "padding); set model.moe.pad_to_capacity=false")
+    if folds(tensor, p.expert_tensor):
         _check(not fp8_enabled, "fp8.enabled=true with parallel.expert_tensor=1: the experts' "
                "per-expert FP8 metas are not split over the folded ranks; set fp8.enabled="
                "false or parallel.expert_tensor=0")

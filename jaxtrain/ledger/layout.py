@@ -153,7 +153,7 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
                           "the other (KV heads are sharded, or replicated when fewer than t)")
     if m.mlp_size % t:
         raise LayoutError(f"model.mlp_size={m.mlp_size} is not divisible by tensor={t}")
-    check_expert_split(m, L.expert, L.data, t, L.expert_tensor, LayoutError)
+    check_expert_split(m, L.expert, L.data, t, L.expert_tensor, LayoutError, key="")
     tokens = L.micro_batch * seq_len // L.context     # one MoE layer call's tokens a rank
     if L.folded and tokens % t:
         raise LayoutError(f"micro_batch x seq_len/context = {tokens} tokens is not divisible "
