@@ -121,10 +121,13 @@ def check_devices(cfg, gpu, devices: int | None, config_name: str) -> None:
 
 
 def inspect(cfg) -> str:
+    import jax
     from flax import nnx
 
     from jaxtrain.executors import setup as setup_lib
     from jaxtrain.parallel import sharding, sharding_report
     mesh = sharding.make_mesh(cfg.parallel)
     setup = setup_lib.build(cfg, mesh)
-    return sharding_report.describe(setup.logical, nnx.to_pure_dict(setup.abstract_state), mesh)
+    specs = jax.tree.map(lambda s: s.spec, setup.compute_shardings)   # the setup's, folded too
+    return sharding_report.describe(setup.logical, nnx.to_pure_dict(setup.abstract_state), mesh,
+                                    specs)

@@ -11,6 +11,8 @@ STAGE, DATA, EXPERT, FSDP, CONTEXT, TENSOR = MESH_AXES
 # carved out of parallel.data (Megatron's expert-model-parallel ranks are data-parallel
 # ranks): the rows of the batch split over data x expert, every weight but the experts' is
 # replicated over both, the experts' are split over `expert` and data-parallel over the rest.
+# Under MoE parallel folding (parallel.expert_tensor=1) the experts split over expert x tensor
+# and the mesh's `expert` is parallel.expert / tensor (sharding.FOLDED_RULES).
 REPLICA_AXES = (DATA, EXPERT, CONTEXT)
 # The ranks that hold a batch's rows (its first dim), outermost first.
 ROW_AXES = (DATA, EXPERT, FSDP)
