@@ -72,6 +72,20 @@ def test_a_folded_step_has_the_data_parallel_gradients(data8, layout):
 
 
 @pytest.mark.slow
+def test_folded_capacity_dispatch_drops_what_the_unfolded_one_drops():
+    """dispatch=capacity: each replica's capacity comes from its own tokens (the router runs
+    on all of them before the tensor ranks split the rows), so folding over the tensor ranks
+    computes the unfolded layout's step: the same kept rows, loss and gradients."""
+    capacity = ["--model.moe.dispatch=capacity", "--model.moe.capacity_factor=0.5"]
+    base = ["--parallel.data=4", "--parallel.tensor=2", "--parallel.sequence_parallel=true"]
+    want = _grads(*capacity, *base, "--parallel.expert=2")
+    got = _grads(*capacity, *base, "--parallel.expert=4", *FOLD)
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_a_folded_pipeline_step_has_the_data_parallel_gradients():
     want = _grads("--parallel.data=8", "--parallel.microbatches=2")
     got = _grads("--parallel.data=2", "--parallel.stage=2", "--parallel.microbatches=2",
