@@ -11,6 +11,11 @@ Multi-token prediction (num_nextn_predict_layers 1, loss factor 0.3 then 0.1) is
 yet: it is switched on here once it lands, and then sits on the last stage (last_stage_layers=1
 leaves it the room).
 
+train.py refuses this recipe's layout today: the pipeline executor's chunks stack one kind of
+layer, and the three dense first layers sit among the MoE ones (config_check says so; the
+ledger prices the layout as Megatron runs it and its notes say it is refused). The 16B proxy
+(deepseek_v3_16b.py, no pipeline) trains.
+
 Megatron's layout table runs it on 1024 GPUs as TP2 PP16 EP64. TP2 PP16 leaves data 32, so
 EP64 needs MoE parallel folding (parallel.expert_tensor=1: 32 expert ranks carved out of data x
 the 2 tensor ranks, each expert whole); the ledger says that does not fit dropless either:
