@@ -30,7 +30,8 @@ def _row(i: int, c: Candidate) -> list[str]:
     def cm(k):
         return f"{e.comm_bytes[k] / GB:.1f}/{e.comm_seconds[k]:.2f}" if e.comm_bytes[k] else "-"
     return [str(i), mark, str(L.tensor), str(L.stage), str(L.data), str(L.context),
-            f"{L.expert}{'f' if L.folded else ''}", str(L.virtual_stages), str(L.micro_batch), str(L.microbatches), f"{e.bubble:.1%}",
+            f"{L.expert}{'f' if L.folded else ''}", str(L.virtual_stages), str(L.micro_batch),
+            str(L.microbatches), f"{e.bubble:.1%}",
             f"{e.static_bytes / GiB:.1f}",
             "/".join(f"{a[k] / GiB:.1f}" for k in ("none", "selective", "full")),
             _remat_short(e.remat), f"{e.total_bytes / GiB:.1f}", "yes" if e.fits else "NO",
