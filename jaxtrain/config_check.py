@@ -59,6 +59,13 @@ def check(cfg: Config, n_devices: int) -> Layout:
                           f"(model.moe.first_k_dense={moe.first_k_dense}, layer_freq="
                           f"{moe.layer_freq}): the pipeline's chunks run one kind of layer; "
                           "make every layer MoE (first_k_dense=0, layer_freq=1) or stage=1")
+    if cfg.model.mtp_depths:
+        for axis in ("stage", "context"):
+            if getattr(layout, axis) > 1:
+                raise ConfigError(f"parallel.{axis}={getattr(layout, axis)} with "
+                                  f"model.mtp.num_layers={cfg.model.mtp_depths}: multi-token "
+                                  f"prediction runs only without {axis} parallelism yet; set "
+                                  f"parallel.{axis}=1 or model.mtp.num_layers=0")
     xla_flags.parse(cfg.train.xla_flags)
     from jaxtrain.parallel import remat
     remat.validate(cfg.remat, layers_per_chunk(cfg, layout.stage, layout.virtual_stages))

@@ -142,7 +142,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                          span_runner=lambda start, stop: grad_accumulation.accumulating(
                              spans(start, stop), start),
                          dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh)),
-                         grouped_dot=grouped_dot_for(cfg.model, mesh)[0])
+                         grouped_dot=grouped_dot_for(cfg.model, mesh)[0],
+                         run_layer=remat.single_layer_runner(cfg.remat))
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
