@@ -263,8 +263,13 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path) -> Config
 def export_hf(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path, *,
               step: int | None = None, dtype: str = "float32",
               max_shard_bytes: int = 5 * 2**30) -> None:
-    """Our checkpoint (see `read_checkpoint`) -> HF folder, with the run's tokenizer if any."""
+    """Our checkpoint (see `read_checkpoint`) -> HF folder, with the run's tokenizer if any.
+    Multi-token prediction modules (params["mtp"], model.mtp) are dropped, and said so: they
+    are a training objective, not part of the model a HF checkpoint loads."""
     params, cfg = read_checkpoint(checkpoint, step)
+    if params.pop("mtp", None) is not None:
+        print(f"export: dropping the {cfg.model.mtp_depths} multi-token prediction module(s)",
+              file=sys.stderr)
     save_hf_checkpoint(out_dir, params, cfg.model, dtype=dtype, max_shard_bytes=max_shard_bytes)
     tok = pathlib.Path(cfg.data.tokenizer)
     if cfg.data.tokenizer != "byte":
