@@ -87,8 +87,9 @@ def test_mtp_loss_equals_the_hand_computed_reference():
     np.testing.assert_allclose(objective - main, want_obj, rtol=2e-5)
     np.testing.assert_allclose(sums.aux["mtp_loss"].total, want_total, rtol=2e-5)
     assert float(sums.aux["mtp_loss"].count) == float(sums.tokens)   # the main normaliser
-    # 2 rows x 16: depth k loses k positions at the end and k at the document boundary
-    assert counts == [2 * (16 - 2), 2 * (16 - 4)]
+    # 2 rows x 16: depth k loses k positions at the end and k + 1 at the document boundary
+    # (the first document's last target is masked, and k positions see the next document)
+    assert counts == [2 * (16 - 1 - 2), 2 * (16 - 2 - 3)]
     assert float(objective - main) > 0
 
 
