@@ -6,8 +6,8 @@ devices.
 Each rule lives once; check applies them all, in this order:
 - `config.validate` (also Config.validate, at load): what needs no devices — positive sizes
   and degrees, GQA groups, the head dim, seq_len vs max_seq_len, at most one -1 degree,
-  sequence parallelism needs tensor, the context strategy vs the attention core and the
-  sequence vs a fixed context degree, the batch vs the fixed data-parallel degrees and
+  sequence parallelism needs tensor, model.mtp (its schedule; not with FP8 or init_from),
+  the context strategy vs the attention core and the sequence vs a fixed context degree, the batch vs the fixed data-parallel degrees and
   microbatches, the data source, durations, checkpoint keys, the fp8 section. A rule that
   also holds elsewhere is a function there, called with the caller's error class: check_gqa
   (attention.select, for model configs built without validate), check_fill,
@@ -18,7 +18,8 @@ Each rule lives once; check applies them all, in this order:
   the devices, and the planner's candidates — degrees vs devices, the batch vs the resolved
   data-parallel degrees, heads / KV heads / MLP vs tensor, the sequence vs context and
   tensor (sequence parallelism), layers vs stages (uneven first/last stages), virtual stages
-  (interleaving's microbatches: pipeline_schedule.validate's rule).
+  (interleaving's microbatches: pipeline_schedule.validate's rule), multi-token prediction
+  only without stages and context parallelism.
 - `xla_flags.parse`: train.xla_flags.
 - `parallel.remat.validate`: remat combinations, per pipeline chunk. It reads jax's policy
   table and the device's memories (offload), so remat.py keeps it and check imports it when it
@@ -59,13 +60,6 @@ def check(cfg: Config, n_devices: int) -> Layout:
                           f"(model.moe.first_k_dense={moe.first_k_dense}, layer_freq="
                           f"{moe.layer_freq}): the pipeline's chunks run one kind of layer; "
                           "make every layer MoE (first_k_dense=0, layer_freq=1) or stage=1")
-    if cfg.model.mtp_depths:
-        for axis in ("stage", "context"):
-            if getattr(layout, axis) > 1:
-                raise ConfigError(f"parallel.{axis}={getattr(layout, axis)} with "
-                                  f"model.mtp.num_layers={cfg.model.mtp_depths}: multi-token "
-                                  f"prediction runs only without {axis} parallelism yet; set "
-                                  f"parallel.{axis}=1 or model.mtp.num_layers=0")
     xla_flags.parse(cfg.train.xla_flags)
     from jaxtrain.parallel import remat
     remat.validate(cfg.remat, layers_per_chunk(cfg, layout.stage, layout.virtual_stages))

@@ -139,6 +139,11 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
     if m.mlp_size % t:
         raise LayoutError(f"model.mlp_size={m.mlp_size} is not divisible by tensor={t}")
     check_expert_split(cfg, L.expert, L.data)
+    for axis in ("stage", "context") if m.mtp_depths else ():
+        if getattr(L, axis) > 1:
+            raise LayoutError(f"parallel.{axis}={getattr(L, axis)} with model.mtp.num_layers="
+                              f"{m.mtp_depths}: multi-token prediction runs only without {axis} "
+                              f"parallelism yet; set parallel.{axis}=1 or model.mtp.num_layers=0")
     check_context_split(seq_len, L.context, cfg.parallel.context_load_balance, LayoutError)
     if L.sequence_parallel and (seq_len // L.context) % t:
         raise LayoutError(f"seq_len/context={seq_len // L.context} is not divisible by tensor={t}"
