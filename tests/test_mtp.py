@@ -190,6 +190,7 @@ def _mtp_losses(workdir):
     return {r["step"]: r["mtp_loss"] for r in metric_records(workdir) if "mtp_loss" in r}
 
 
+@pytest.mark.slow
 def test_mtp_data2_fsdp2_tensor2_trains_as_one_device(tmp_path):
     train_on_one_device("configs/tiny.py", TRAIN_ARGS, tmp_path / "one")
     trainer.train(load_config(ROOT / "configs/tiny.py", [
