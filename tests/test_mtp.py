@@ -251,3 +251,20 @@ def test_ledger_counts_mtp_params_and_the_compiled_matmul_flops():
     plain = dataclasses.replace(cfg.model, mtp=MtpConfig(num_layers=0))
     assert counts.total - param_counts(plain).total == 2 * (
         sum(counts.per_layer.values()) + 2 * h * h + 3 * h)
+
+
+def test_hf_export_drops_the_modules(tmp_path, capsys):
+    from jaxtrain import weights
+    from jaxtrain.tools import hf
+    from util import random_model_params
+    cfg = tiny_config("--model.mtp.num_layers=1")
+    params = random_model_params(cfg.model)
+    assert "mtp" in params
+    weights.save_params(tmp_path / "ours", params, cfg)
+    hf.export_hf(tmp_path / "ours", tmp_path / "hf")
+    assert "dropping the 1 multi-token prediction module(s)" in capsys.readouterr().err
+    exported = weights.read_safetensors(tmp_path / "hf" / "model.safetensors")
+    plain = {k: v for k, v in params.items() if k != "mtp"}
+    want = hf.params_to_hf(plain, dataclasses.replace(cfg.model, mtp=None))
+    assert set(exported) == set(want)
+    assert all(np.array_equal(exported[k], want[k]) for k in want)
