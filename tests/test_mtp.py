@@ -120,6 +120,23 @@ def test_off_the_step_equals_the_model_without_the_module():
     assert all(not np.any(g) for g in jax.tree.leaves(grads1["mtp"]))
 
 
+def test_the_modules_recompute_under_the_stacks_policy_with_the_same_gradients():
+    """remat.single_layer_runner runs the MTP block under the stack's policy: full (uniform
+    groups of 2, which a block of one cannot form) and selective give the step of none."""
+    def run(*remat):
+        cfg = tiny_config("--model.mtp.num_layers=1", "--train.global_batch=2",
+                          "--train.seq_len=16", *remat)
+        setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()[:1]))
+        return step.make_grad_step(setup)(random_params(setup), random_batch(cfg), {})[:3]
+    loss0, _, grads0 = run()
+    for remat in (("--remat.granularity=full", "--remat.num_layers=2"),
+                  ("--remat.granularity=selective", "--remat.modules=core_attn,mlp")):
+        loss, _, grads = run(*remat)
+        assert float(loss) == pytest.approx(float(loss0), rel=1e-6), remat
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                     grads0, grads)
+
+
 def test_positions_past_a_document_end_do_not_count_or_leak():
     cfg = tiny_config("--model.mtp.num_layers=1", "--train.global_batch=1",
                       "--train.seq_len=16")
