@@ -15,7 +15,7 @@ from flax import nnx
 from jaxtrain.config import MlaConfig, ModelConfig, MoeConfig
 from jaxtrain.model import llama as model_lib
 from jaxtrain.tools import hf
-from util import decisive_hf_weights
+from util import decisive_hf_weights, random_model_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -40,12 +40,31 @@ def _hf_model(q_lora_rank, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module", params=[24, None], ids=["q_lora", "q_proj"])
-def hf_dir(request, tmp_path_factory):
-    model = _hf_model(request.param)
-    path = tmp_path_factory.mktemp("deepseek")
-    model.save_pretrained(path)
-    return path, model
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """q_lora_rank -> (folder, model) of a saved HF model, made on first use."""
+    made = {}
+
+    def get(q_lora_rank):
+        if q_lora_rank not in made:
+            model = _hf_model(q_lora_rank)
+            path = tmp_path_factory.mktemp("deepseek")
+            model.save_pretrained(path)
+            made[q_lora_rank] = path, model
+        return made[q_lora_rank]
+    return get
+
+
+@pytest.fixture
+def hf_dir(saved):
+    """The q low-rank path (DeepSeek-V3's)."""
+    return saved(24)
+
+
+@pytest.fixture(params=[24, None], ids=["q_lora", "q_proj"])
+def both_dirs(request, saved):
+    """With the q low-rank path and with one q projection (q_lora_rank null)."""
+    return saved(request.param)
 
 
 def _tokens():
@@ -57,15 +76,22 @@ def _hf_logits(model, tokens):
         return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
 
 
+_COMPILED: dict = {}   # one compiled forward per model config (CI has 2 cores)
+
+
 def _our_logits(params, cfg: ModelConfig, tokens):
     cfg = dataclasses.replace(cfg, compute_dtype="float32", attention="xla")
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Llama(cfg, rngs=nnx.Rngs(0))))
+    if repr(cfg) not in _COMPILED:
+        graphdef, state = nnx.split(nnx.eval_shape(
+            lambda: model_lib.Llama(cfg, rngs=nnx.Rngs(0))))
+        _COMPILED[repr(cfg)] = state, jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
+    state, forward = _COMPILED[repr(cfg)]
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])(state, tokens))
+    return np.asarray(forward(state, tokens))
 
 
-def test_deepseek_config_and_logits_match_transformers(hf_dir):
-    path, model = hf_dir
+def test_deepseek_config_and_logits_match_transformers(both_dirs):
+    path, model = both_dirs
     hf_config, state_dict = hf.load_hf_checkpoint(path)
     cfg = hf.model_config_from_hf(hf_config)
     q_lora = model.config.q_lora_rank or 0
@@ -92,8 +118,8 @@ def test_deepseek_config_and_logits_match_transformers(hf_dir):
     assert np.abs(_our_logits(as_halves, cfg, tokens) - theirs).max() > 1e-2
 
 
-def test_deepseek_export_roundtrips_and_loads_in_transformers(hf_dir, tmp_path):
-    path, model = hf_dir
+def test_deepseek_export_roundtrips_and_loads_in_transformers(both_dirs, tmp_path):
+    path, model = both_dirs
     _, state_dict = hf.load_hf_checkpoint(path)
     hf.import_hf(path, tmp_path / "imported")
     hf.export_hf(tmp_path / "imported", tmp_path / "exported")
@@ -109,6 +135,33 @@ def test_deepseek_export_roundtrips_and_loads_in_transformers(hf_dir, tmp_path):
         tmp_path / "exported", attn_implementation="eager").float().eval()
     tokens = _tokens()
     np.testing.assert_array_equal(_hf_logits(loaded, tokens), _hf_logits(model, tokens))
+
+
+def test_our_params_export_to_equal_logits_in_transformers(hf_dir, tmp_path):
+    """Ours -> HF: random jaxtrain params (a nonzero balancing bias) give transformers' logits;
+    a model without moe.expert_bias exports HF's bias as zeros."""
+    hf_config, _ = hf.load_hf_checkpoint(hf_dir[0])
+    cfg = hf.model_config_from_hf(hf_config)
+    params = random_model_params(cfg, seed=1)
+    params["blocks"]["moe"]["expert_bias"] = (
+        0.3 * np.random.default_rng(1).standard_normal((2, 8))).astype(np.float32)
+    hf.save_hf_checkpoint(tmp_path / "biased", params, cfg)
+    loaded = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path / "biased", attn_implementation="eager").float().eval()
+    tokens = _tokens()
+    theirs = _hf_logits(loaded, tokens)
+    assert np.abs(_our_logits(params, cfg, tokens) - theirs).max() <= 1e-4
+
+    unbiased = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_bias=False))
+    no_bias = {**params, "blocks": {**params["blocks"], "moe": {
+        k: v for k, v in params["blocks"]["moe"].items() if k != "expert_bias"}}}
+    hf.save_hf_checkpoint(tmp_path / "unbiased", no_bias, unbiased)
+    _, state_dict = hf.load_hf_checkpoint(tmp_path / "unbiased")
+    assert not state_dict["model.layers.1.mlp.gate.e_score_correction_bias"].any()
+    loaded = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path / "unbiased", attn_implementation="eager").float().eval()
+    params["blocks"]["moe"]["expert_bias"][...] = 0.0
+    assert np.abs(_our_logits(params, cfg, tokens) - _hf_logits(loaded, tokens)).max() <= 1e-4
 
 
 def test_mtp_layers_are_skipped_with_a_note(hf_dir, caplog):

@@ -105,7 +105,7 @@ def _mlp_specs(hf_prefix: str, path: tuple, f: int, d: int) -> list[Spec]:
 
 def zero_bias(m: ModelConfig) -> dict[str, np.ndarray]:
     """HF's always-present e_score_correction_bias, zeros, for a model without moe.expert_bias."""
-    if m.moe is None or m.moe.expert_bias:
+    if m.mla is None or m.moe is None or m.moe.expert_bias:
         return {}
     return {f"model.layers.{i}.mlp.gate.e_score_correction_bias":
             np.zeros((m.moe.num_experts,), np.float32)
