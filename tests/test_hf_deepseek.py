@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain.config import MlaConfig, ModelConfig, MoeConfig
+from jaxtrain.config import MlaConfig, ModelConfig, MoeConfig, load_recipe
 from jaxtrain.model import llama as model_lib
 from jaxtrain.tools import hf
 from util import decisive_hf_weights, random_model_params
@@ -216,3 +216,22 @@ def test_export_refuses_what_deepseek_v3_cannot_express(model_kw, match):
     with pytest.raises(hf.HfConversionError, match=match) as err:
         hf.hf_config_from_model(cfg)
     assert "\n" not in str(err.value)
+
+
+_HF_KNOBS = dict(bias_update_rate=1e-3, aux_loss_coeff=0.0, z_loss_coeff=0.0,
+                 dispatch="dropless")   # what HF's config does not hold: our defaults on import
+
+
+@pytest.mark.parametrize("recipe", ["tiny_deepseek", "deepseek_v3_16b"])
+def test_deepseek_recipes_export_their_architecture(recipe):
+    m = load_recipe(f"configs/{recipe}.py").model
+    back = hf.model_config_from_hf(hf.hf_config_from_model(m))
+    assert back.mla == m.mla
+    assert back.moe == dataclasses.replace(m.moe, **_HF_KNOBS)
+    assert dataclasses.replace(back, moe=None, attention=m.attention, compute_dtype=m.compute_dtype,
+                               param_dtype=m.param_dtype) == dataclasses.replace(m, moe=None)
+
+
+def test_the_671b_recipe_does_not_export_without_yarn_interpolation():
+    with pytest.raises(hf.HfConversionError, match="YaRN"):
+        hf.hf_config_from_model(load_recipe("configs/deepseek_v3.py").model)
