@@ -25,9 +25,9 @@ DeepSeek-V3 (a model with model.mla): hf_deepseek.py's map, with its RoPE column
 
 Layout. HF Linear weights are [out, in]; our kernels are [in, out] with heads split, and
 per-layer weights are stacked on a leading L axis (hf_spec.py). Llama's and Mixtral's
-checkpoints and ours use rotate-half RoPE on the same
-head-dim halves (HF's checkpoints already carry the q/k permutation away from Meta's
-interleaved layout), so q/k are a transpose and a reshape, no permutation.
+checkpoints and ours use rotate-half RoPE on the same head-dim halves (HF's checkpoints
+already carry the q/k permutation away from Meta's interleaved layout), so q/k are a
+transpose and a reshape, no permutation.
 
 Vocab padding. Our embedding may have more rows than the real vocab (Megatron's
 make-vocab-size-divisible-by; `config.padded_vocab`). Export keeps the first
