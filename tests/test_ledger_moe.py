@@ -44,6 +44,18 @@ def test_mixtral_params_total_and_active_match_the_published_figures():
     assert active == pytest.approx(12.9e9, rel=5e-3)
 
 
+@pytest.mark.parametrize("recipe", ["tiny_moe", "tiny_deepseek"])
+def test_the_ledgers_parameters_are_the_models_leaves(recipe):
+    """Every parameter the MoE model holds, the ledger counts: DeepSeek's MLA, shared expert,
+    first dense layer and balancing bias; Mixtral-style experts."""
+    import jax
+    from flax import nnx
+    from jaxtrain.model import llama
+    cfg = load_recipe(ROOT / "configs" / f"{recipe}.py")
+    state = nnx.state(nnx.eval_shape(lambda: llama.Llama(cfg.model, rngs=nnx.Rngs(0))))
+    assert ledger.param_counts(cfg.model).total == sum(x.size for x in jax.tree.leaves(state))
+
+
 def test_moe_flops_count_top_k_experts_the_router_and_shared_experts():
     moe = MoeConfig(num_experts=8, top_k=2, mlp_size=40, shared_experts=2, shared_mlp_size=24)
     cfg = _small(moe)
