@@ -8,8 +8,9 @@ DeepSeek-V3's router: sigmoid scores, group-limited (4 groups, a token's experts
 (rate 1e-3) and the small sequence-wise balance loss; RMSNorm eps 1e-6 as DeepSeek-V3's
 (HF's DeepseekV3 normalises the latents with 1e-6, so a run exports to it). It trains through
 `train.py` on a CPU in seconds with falling loss (tests/test_recipes_deepseek.py);
-`--parallel.expert=2` (or 4) on 8 fake devices is its expert-parallel run. Multi-token prediction is not on (not on main yet):
-its config belongs here and in deepseek_v3.py once it lands (DeepSeek-V3: one module).
+`--parallel.expert=2` (or 4) on 8 fake devices is its expert-parallel run. Multi-token
+prediction is not on (not on main yet): its config belongs here and in deepseek_v3.py once it
+lands (DeepSeek-V3: one module).
 """
 import dataclasses
 
