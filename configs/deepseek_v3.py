@@ -11,6 +11,11 @@ Multi-token prediction (num_nextn_predict_layers 1, loss factor 0.3 then 0.1) is
 yet: it is switched on here once it lands, and then sits on the last stage (last_stage_layers=1
 leaves it the room).
 
+train.py refuses this recipe's layout today: the pipeline executor's chunks stack one kind of
+layer, and the three dense first layers sit among the MoE ones (config_check says so; the
+ledger prices the layout as Megatron runs it and its notes say it is refused). The 16B proxy
+(deepseek_v3_16b.py, no pipeline) trains.
+
 Megatron's layout table runs it on 1024 GPUs as TP2 PP16 EP64. EP64 is not expressible here:
 jaxtrain carves the expert ranks out of `data` only, and TP2 PP16 leaves data 32 (Megatron folds
 EP over TP x DP for the experts). The configured layout is the nearest: tensor 2 with sequence

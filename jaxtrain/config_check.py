@@ -40,7 +40,8 @@ from __future__ import annotations
 from jaxtrain import xla_flags
 from jaxtrain.config import FP8_ALIGN, Config, ConfigError, check_expert, validate
 from jaxtrain.ledger.flops import projection_sizes
-from jaxtrain.ledger.layout import Layout, layers_per_chunk, layout_from_config
+from jaxtrain.ledger.layout import (Layout, layers_per_chunk, layout_from_config,
+                                    mixed_pipeline_problem)
 
 
 class Fp8LayoutError(ConfigError):
@@ -53,12 +54,9 @@ def check(cfg: Config, n_devices: int) -> Layout:
     validate(cfg)
     layout = layout_from_config(cfg, n_devices)
     check_expert(cfg.model, cfg.parallel, layout.data)
-    moe = cfg.model.moe
-    if layout.stage > 1 and moe is not None and not all(cfg.model.moe_layers):
-        raise ConfigError(f"parallel.stage={layout.stage} with dense layers among the MoE ones "
-                          f"(model.moe.first_k_dense={moe.first_k_dense}, layer_freq="
-                          f"{moe.layer_freq}): the pipeline's chunks run one kind of layer; "
-                          "make every layer MoE (first_k_dense=0, layer_freq=1) or stage=1")
+    problem = mixed_pipeline_problem(cfg, layout.stage)
+    if problem:
+        raise ConfigError(f"parallel.{problem}")
     xla_flags.parse(cfg.train.xla_flags)
     from jaxtrain.parallel import remat
     remat.validate(cfg.remat, layers_per_chunk(cfg, layout.stage, layout.virtual_stages))

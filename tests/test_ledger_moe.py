@@ -4,6 +4,7 @@ remat modules' recompute and memory, the expert degree's errors, the planner's -
 Pure Python, milliseconds."""
 import dataclasses
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,31 @@ def test_mixtral_params_total_and_active_match_the_published_figures():
     assert counts.total == pytest.approx(46.7e9, rel=2e-3)
     active = counts.active_non_embedding + counts.embedding   # the published count has both
     assert active == pytest.approx(12.9e9, rel=5e-3)
+
+
+@pytest.mark.parametrize("recipe", ["tiny_moe", "tiny_deepseek"])
+def test_the_ledgers_parameters_are_the_models_leaves(recipe):
+    """Every parameter the MoE model holds, the ledger counts: DeepSeek's MLA, shared expert,
+    first dense layer and balancing bias; Mixtral-style experts."""
+    import jax
+    from flax import nnx
+    from jaxtrain.model import llama
+    cfg = load_recipe(ROOT / "configs" / f"{recipe}.py")
+    state = nnx.state(nnx.eval_shape(lambda: llama.Llama(cfg.model, rngs=nnx.Rngs(0))))
+    assert ledger.param_counts(cfg.model).total == sum(x.size for x in jax.tree.leaves(state))
+
+
+def test_a_pipelined_layout_with_dense_first_layers_is_priced_and_said_to_be_refused():
+    """DeepSeek-V3's first dense layers among the MoE ones: the ledger prices its pipelined
+    layout as Megatron runs it, its notes say train.py refuses it, and config_check does."""
+    from jaxtrain import config_check
+    from jaxtrain.config import ConfigError
+    cfg = load_recipe(ROOT / "configs" / "deepseek_v3.py")
+    est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 1024), "h100")
+    refusal = "stage=16 with dense layers among the MoE ones (model.moe.first_k_dense=3"
+    assert any(n.startswith("train.py refuses this layout: " + refusal) for n in est.notes)
+    with pytest.raises(ConfigError, match=re.escape("parallel." + refusal)):
+        config_check.check(cfg, 1024)
 
 
 def test_moe_flops_count_top_k_experts_the_router_and_shared_experts():

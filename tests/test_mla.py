@@ -320,7 +320,11 @@ GPU_DIMS = ("--model.mla.q_lora_rank=64", "--model.mla.kv_lora_rank=32",
 @pytest.mark.parametrize("impl", ["pallas", "mosaic", "auto"])
 def test_mla_compiles_for_h100_with_each_kernel_that_takes_it(h100, tmp_path, impl):
     """A bf16 MLA model at tensor 2 + SP compiles for compile-only H100s with the kernel each
-    choice means in the program (auto: Mosaic, whose limits DeepSeek's sizes fit)."""
+    choice means in the program (auto: Mosaic, whose limits DeepSeek's sizes fit), and the
+    dry run's executed FLOPs read the kernels at MLA's two head sizes: the ledger's count
+    (the sequence a multiple of the kernels' blocks, so no padded rows are counted)."""
+    from jaxtrain import ledger
+    from jaxtrain.tools import pipeline_flops
     from jaxtrain.parallel import sharding
     from jaxtrain.tools import gpu_kernels
     from jaxtrain.tools.compile_step import compile_step
@@ -329,12 +333,18 @@ def test_mla_compiles_for_h100_with_each_kernel_that_takes_it(h100, tmp_path, im
     def compile_(attention):
         cfg = tiny_config(*MLA_ARGS, *GPU_DIMS, "--model.compute_dtype=bfloat16",
                           "--model.vocab_size=512",
-                          "--train.global_batch=16", "--parallel.data=2", "--parallel.fsdp=2",
+                          "--train.global_batch=16", "--train.seq_len=256",
+                          "--model.max_seq_len=256", "--parallel.data=2", "--parallel.fsdp=2",
                           "--parallel.tensor=2", "--parallel.sequence_parallel=true",
                           f"--model.attention={attention}")
         with gpu_kernels.mosaic_dump(tmp_path):
-            return compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8)))
-    out = compile_(impl)
+            return cfg, compile_step(cfg, sharding.make_mesh(cfg.parallel, h100(8)))
+    cfg, out = compile_(impl)
     pallas = gpu_kernels.pallas_kernel_names(out.text)
     mosaic = gpu_kernels.mosaic_kernel_names(out.text)
     assert bool(pallas) == (impl == "pallas") and bool(mosaic) == (impl != "pallas")
+    m = cfg.model
+    executed = pipeline_flops.executed_matmul_flops(
+        out.text, None, head_dims=(m.resolved_head_dim, m.v_head_dim)).mean
+    est = ledger.estimate(cfg, ledger.layout_from_config(cfg, 8), "h100")
+    assert executed == pytest.approx(est.hfu_flops_per_step_full_attn / 8, rel=0.03)

@@ -40,7 +40,8 @@ import dataclasses
 from jaxtrain.config import Config, RematConfig
 from jaxtrain.ledger import comm, experts, fit, flops, memory, pipeline
 from jaxtrain.ledger.hardware import GB, GiB, Gpu, get_gpu
-from jaxtrain.ledger.layout import Layout, stage_layer_counts, validate_layout
+from jaxtrain.ledger.layout import (Layout, mixed_pipeline_problem, stage_layer_counts,
+                                    validate_layout)
 
 REMAT_VARIANTS = {
     "none": RematConfig(granularity="none"),
@@ -380,6 +381,9 @@ def _notes(cfg: Config, layout: Layout, gpu: Gpu, flash: bool, bubble: float) ->
     if L.stage > 1 and L.microbatches < L.stage:
         notes.append(f"{L.microbatches} microbatches for {L.stage} stages: the pipeline never "
                      f"fills (bubble {bubble:.0%}); raise the global batch or lower stage")
+    problem = mixed_pipeline_problem(cfg, L.stage)
+    if problem:
+        notes.append(f"train.py refuses this layout: {problem}")
     if gpu.estimate:
         notes.append(f"'{gpu.name}' figures are a rough estimate, not a datasheet")
     if not flash and cfg.model.attention == "auto":

@@ -31,7 +31,7 @@ class ParamCounts:
     final_norm: int
     num_layers: int
     # An MoE layer's (model.moe): q, k, v, o, norms, router (h·E), experts (all E of them:
-    # E·3·h·F_e), shared (3·h·F_s); empty without MoE layers.
+    # E·3·h·F_e), shared (3·h·F_s), router_bias (E with expert_bias); empty without MoE layers.
     per_moe_layer: dict = dataclasses.field(default_factory=dict)
     moe_layers: int = 0
     active_expert_fraction: float = 1.0   # top_k / num_experts: what a token runs of "experts"
@@ -85,7 +85,9 @@ def param_counts(model: ModelConfig) -> ParamCounts:
         e = model.moe
         moe = {**attention, "router": h * e.num_experts,
                "experts": e.num_experts * 3 * h * model.expert_mlp_size,
-               "shared": 3 * h * model.shared_mlp_size}
+               "shared": 3 * h * model.shared_mlp_size,
+               # the balancing bias: an fp32 param leaf, never trained (model/moe_balance.py)
+               "router_bias": e.num_experts if e.expert_bias else 0}
         active = e.top_k / e.num_experts
     return ParamCounts(per_layer=per_layer, embedding=table,
                        lm_head=0 if model.tie_embeddings else table, final_norm=h,

@@ -159,6 +159,19 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
             f"{cfg.train.global_batch}; change the micro-batch, the microbatches or the batch")
 
 
+def mixed_pipeline_problem(cfg: Config, stage: int) -> str | None:
+    """Why the pipeline executor cannot run `stage` stages of this model (None: it can): its
+    chunks are stacks of one kind of layer, so dense layers among MoE ones (DeepSeek's first
+    dense layers) are refused by config_check, while the ledger prices such a layout as
+    Megatron runs it (the kinds per chunk: memory.held_moe_layers) and notes the refusal."""
+    e = cfg.model.moe
+    if stage == 1 or e is None or all(cfg.model.moe_layers):
+        return None
+    return (f"stage={stage} with dense layers among the MoE ones (model.moe.first_k_dense="
+            f"{e.first_k_dense}, layer_freq={e.layer_freq}): the pipeline's chunks run one kind "
+            "of layer; make every layer MoE (first_k_dense=0, layer_freq=1) or stage=1")
+
+
 def check_expert_split(cfg: Config, expert: int, data: int) -> None:
     """Expert ranks need MoE layers, a divisor of the experts and of the data degree."""
     if expert == 1:

@@ -307,7 +307,8 @@ def dry_run(cfg: Config, gpu: str | Gpu | None = None, *, devices: int | None = 
                   matmul_flops=hlo.matmul_flops_from_text(out.text), xla_flops=xla_flops,
                   lower_s=out.lower_s, compile_s=out.compile_s, device_kind=kind,
                   executed=pipeline_flops.executed_matmul_flops(
-                      out.text, *table, grouped_rows_share(scaled, est.layout)),
+                      out.text, *table, grouped_rows_share(scaled, est.layout),
+                      (scaled.model.resolved_head_dim, scaled.model.v_head_dim)),
                   executed_wire=pipeline_flops.executed_wire_bytes(colls, runs),
                   gpu_report=report, state_terms=state_terms, attention=chosen,
                   grouped_gemm=grouped)

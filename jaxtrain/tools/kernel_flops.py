@@ -21,37 +21,42 @@ _ATTENTION_KERNELS = (
 _FLOAT_4D_RE = re.compile(r"\b(?:bf16|f16|f32|f8\w*)\[(\d+),(\d+),(\d+),(\d+)\]")
 
 
-def attention_kernel_flops_of(instr, comp) -> int:
+def attention_kernel_flops_of(instr, comp, head_dims: tuple[int, int] | None = None) -> int:
     """The dense-equivalent matmul FLOPs of an attention kernel call (0 for anything else).
-    Its first result (out, dK or dQ) and each 4-D float operand (q, k, v, dO), in any of the
-    kernels' layouts, hold B first, D last, a head count and a sequence length (the larger
-    of the two): the kernel spans Sq x Sk (one length when they are equal) over the most
-    heads any of them has (q's)."""
+    Its results (out, dK, dV, dQ) and 4-D float operands (q, k, v, dO), in any of the
+    kernels' layouts, hold B first, a head size last (third in a transposed k or v), a head
+    count and a sequence length (the larger of the two): the kernel spans Sq x Sk (one length when they are equal) over the most
+    heads any of them has (q's). `head_dims`: the query/key and value head sizes (QK^T
+    contracts the first, PV and the backward's dV/dP the second: MLA's differ), else both the
+    first result's last dim."""
     if instr.opcode != "custom-call":
         return 0
     matmuls = next((n for pattern, n in _ATTENTION_KERNELS if pattern.search(instr.attrs)), 0)
     if not matmuls:
         return 0
-    result = _FLOAT_4D_RE.search(instr.shape)
     shapes = [sh if sh else comp.by_name[o].shape if o in comp.by_name else ""
               for o, sh in zip(instr.operands, instr.operand_shapes)]
-    operands = [tuple(map(int, m.groups())) for sh in shapes
+    tensors = [tuple(map(int, m.groups())) for m in _FLOAT_4D_RE.finditer(instr.shape)]
+    tensors += [tuple(map(int, m.groups())) for sh in shapes
                 for m in [_FLOAT_4D_RE.match(sh.lstrip("("))] if m]
-    if result is None or not operands:
+    if not tensors or not _FLOAT_4D_RE.search(instr.shape):
         raise hlo_module.HloParseError(f"attention kernel %{instr.name} in {comp.name}: no [B, S, heads, "
                             "D] result or operands to size it by")
-    b, *_, d = map(int, result.groups())
+    b, d = tensors[0][0], tensors[0][-1]
+    dq, dv = head_dims or (d, d)
     seqs, heads = set(), 1
-    for dims in [tuple(map(int, result.groups()))] + operands:
-        rest = list(dims)
-        for known in (b, d):
-            if known in rest:
-                rest.remove(known)
-        if len(rest) == 2:
-            seqs.add(max(rest))
-            heads = max(heads, min(rest))
+    for dims in tensors:
+        # the head size last ([B, S, heads, D], [B, heads, S, D]) or third (a transposed
+        # [B, heads, D, S] k or v)
+        at = next((i for i in (3, 2) if dims[i] in (dq, dv)), None)
+        if at is None:
+            continue
+        rest = [x for i, x in enumerate(dims[1:], 1) if i != at]
+        seqs.add(max(rest))
+        heads = max(heads, min(rest))
     sq, sk = min(seqs), max(seqs)
-    return matmuls * 2 * b * sq * sk * heads * d
+    # each kernel's matmuls pair up one contracting the q/k head size, one the value's
+    return matmuls * b * sq * sk * heads * (dq + dv)
 
 
 # The grouped GEMM kernels (Mosaic GPU, by the kernel name in their op_name): rows x group
@@ -88,8 +93,10 @@ def grouped_gemm_flops_of(instr, rows_share: float = 1.0) -> float:
     return 2.0 * m * k * n * rows_share
 
 
-def executed_flops_of(instr, comp, grouped_rows_share: float = 1.0) -> float:
-    """Matmul FLOPs of an op: GEMMs and dots, attention kernels as their dense matmuls, the
-    grouped GEMM kernels by their routed rows (grouped_gemm_flops_of)."""
-    return (hlo.matmul_flops_of(instr, comp) + attention_kernel_flops_of(instr, comp)
+def executed_flops_of(instr, comp, grouped_rows_share: float = 1.0,
+                      head_dims: tuple[int, int] | None = None) -> float:
+    """Matmul FLOPs of an op: GEMMs and dots, attention kernels as their dense matmuls (at
+    `head_dims`: attention_kernel_flops_of), the grouped GEMM kernels by their routed rows
+    (grouped_gemm_flops_of)."""
+    return (hlo.matmul_flops_of(instr, comp) + attention_kernel_flops_of(instr, comp, head_dims)
             + grouped_gemm_flops_of(instr, grouped_rows_share))

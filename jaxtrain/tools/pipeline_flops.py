@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from jaxtrain.tools import hlo, hlo_module, kernel_flops
+from jaxtrain.tools import hlo_module, kernel_flops
 from jaxtrain.parallel.pipeline_executor import B_SCOPE, F_SCOPE
 
 _OP_NAME_RE = re.compile(r'^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\bop_name="([^"]*)"')
@@ -55,17 +55,18 @@ def branch_counts(columns: dict, stages: int, virtual_stages: int) -> dict:
             "b": np.stack([(b_index == i).sum(0) for i in range(5)], 1)}
 
 
-def _flops_under(comps, name: str, memo: dict, share: float = 1.0) -> float:
+def _flops_under(comps, name: str, memo: dict, share: float = 1.0, head_dims=None) -> float:
     """Matmul FLOPs of one run of computation `name` and what it calls (loops by trip count,
-    every branch of nested conditionals; grouped GEMM kernels at `share` of their rows)."""
+    every branch of nested conditionals; grouped GEMM kernels at `share` of their rows,
+    attention kernels at `head_dims`)."""
     if name in memo:
         return memo[name]
     comp, total = comps[name], 0.0
     for instr in comp.instrs:
-        total += kernel_flops.executed_flops_of(instr, comp, share)
+        total += kernel_flops.executed_flops_of(instr, comp, share, head_dims)
         for callee, trips, _ in hlo_module.callees(instr):
             if callee in comps:
-                total += (trips or 1) * _flops_under(comps, callee, memo, share)
+                total += (trips or 1) * _flops_under(comps, callee, memo, share, head_dims)
     memo[name] = total
     return total
 
@@ -114,10 +115,11 @@ def executed_runs(text: str, columns: dict | None, stages: int = 1,
 
 
 def executed_matmul_flops(text: str, columns: dict | None, stages: int = 1,
-                          virtual_stages: int = 1, grouped_rows_share: float = 1.0
-                          ) -> ExecutedFlops:
-    """Per-rank executed matmul FLOPs (GEMMs, dots, attention kernels, grouped GEMM kernels
-    at `grouped_rows_share` of their buffer rows: kernel_flops) of a compiled step (`text`:
+                          virtual_stages: int = 1, grouped_rows_share: float = 1.0,
+                          head_dims: tuple[int, int] | None = None) -> ExecutedFlops:
+    """Per-rank executed matmul FLOPs (GEMMs, dots, attention kernels at the model's
+    `head_dims` (q/k, v), grouped GEMM kernels at `grouped_rows_share` of their buffer rows:
+    kernel_flops) of a compiled step (`text`:
     its HLO); pipelined, its schedule loop ran the lock-step table `columns`
     (Schedule.table.columns), else None."""
     comps, reach = hlo_module.parsed(text)
@@ -125,14 +127,14 @@ def executed_matmul_flops(text: str, columns: dict | None, stages: int = 1,
     per_rank, every = np.zeros(stages if columns is not None else 1), 0.0
     for comp in comps.values():
         for instr in comp.instrs:
-            flops = kernel_flops.executed_flops_of(instr, comp, grouped_rows_share)
+            flops = kernel_flops.executed_flops_of(instr, comp, grouped_rows_share, head_dims)
             if flops:
                 per_rank += flops * runs[comp.name]
                 every += flops * reach[comp.name].count
     memo, branches = {}, {}
     for kind, instr in (_switches(text, comps).values() if columns is not None else ()):
-        branches[kind] = tuple(_flops_under(comps, c, memo, grouped_rows_share) for c, _, _ in
-                               hlo_module.callees(instr))
+        branches[kind] = tuple(_flops_under(comps, c, memo, grouped_rows_share, head_dims)
+                               for c, _, _ in hlo_module.callees(instr))
     return ExecutedFlops(tuple(float(x) for x in per_rank), every, branches)
 
 
