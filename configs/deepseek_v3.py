@@ -7,9 +7,9 @@ sigmoid scoring, n_group 8 / topk_group 4, routed_scaling_factor 2.5, norm_topk_
 original_max_position_embeddings 4096: here only YaRN's softmax-scale correction; the frequency
 interpolation is not implemented, see model.mla). The auxiliary-loss-free bias at rate 1e-3 and
 the sequence-wise balance loss at 1e-4 as the technical report (arXiv 2412.19437) trains it.
-Multi-token prediction (num_nextn_predict_layers 1, loss factor 0.3 then 0.1) is not on main
-yet: it is switched on here once it lands, and then sits on the last stage (last_stage_layers=1
-leaves it the room).
+Multi-token prediction (num_nextn_predict_layers 1, loss factor 0.3 then 0.1) is off here:
+jaxtrain runs it only without pipeline stages yet (deepseek_v3_16b runs it); on the pipeline it
+will sit on the last stage (last_stage_layers=1 leaves it the room).
 
 train.py refuses this recipe's layout today: the pipeline executor's chunks stack one kind of
 layer, and the three dense first layers sit among the MoE ones (config_check says so; the

@@ -6,9 +6,9 @@ devices.
 Each rule lives once; check applies them all, in this order:
 - `config.validate` (also Config.validate, at load): what needs no devices — positive sizes
   and degrees, GQA groups, the head dim, seq_len vs max_seq_len, at most one -1 degree,
-  sequence parallelism needs tensor, the context strategy vs the attention core and the
-  sequence vs a fixed context degree, the batch vs the fixed data-parallel degrees and
-  microbatches, the data source, durations, checkpoint keys, the fp8 section. A rule that
+  sequence parallelism needs tensor, model.mtp (its schedule; not with FP8 or init_from),
+  the context strategy vs the attention core and the sequence vs a fixed context degree, the
+  batch vs the fixed data-parallel degrees and microbatches, the data source, durations, checkpoint keys, the fp8 section. A rule that
   also holds elsewhere is a function there, called with the caller's error class: check_gqa
   (attention.select, for model configs built without validate), check_fill,
   check_batch_split and check_context_split (the ledger, on the resolved layout),
@@ -18,7 +18,8 @@ Each rule lives once; check applies them all, in this order:
   the devices, and the planner's candidates — degrees vs devices, the batch vs the resolved
   data-parallel degrees, heads / KV heads / MLP vs tensor, the sequence vs context and
   tensor (sequence parallelism), layers vs stages (uneven first/last stages), virtual stages
-  (interleaving's microbatches: pipeline_schedule.validate's rule).
+  (interleaving's microbatches: pipeline_schedule.validate's rule), multi-token prediction
+  only without stages and context parallelism.
 - `xla_flags.parse`: train.xla_flags.
 - `parallel.remat.validate`: remat combinations, per pipeline chunk. It reads jax's policy
   table and the device's memories (offload), so remat.py keeps it and check imports it when it

@@ -194,6 +194,8 @@ def _format_line(r: dict, peak_note: str) -> str:
                      f"z {r['moe_z_loss']:.3f} load {r['moe_load_min']:.2f}-"
                      f"{r['moe_load_max']:.2f} cv {r['moe_load_cv']:.2f} dropped "
                      f"{100 * r['moe_dropped_fraction']:.1f}%")
+    if "mtp_loss" in r:   # multi-token prediction's mean depth loss (model/mtp.py)
+        parts.append(f"mtp {r['mtp_loss']:.4f}")
     if r.get("memory_gb") is not None:
         parts.append(f"mem {r['memory_gb']:.2f} GiB")
     return " | ".join(parts)

@@ -11,13 +11,14 @@ executors/setup.py's; the train state is train_state.TrainState.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxtrain import optim, xla_flags
 from jaxtrain.executors import pipeline, replica
 from jaxtrain.executors.contract import Normalised, normalise
 from jaxtrain.executors.setup import Setup, compute_params
-from jaxtrain.model import moe_balance
+from jaxtrain.model import moe_balance, mtp
 from jaxtrain.parallel import sharding
 from jaxtrain.parallel.mesh_axes import STAGE
 from jaxtrain.train_state import TrainState
@@ -34,10 +35,21 @@ def loss_and_grads(setup: Setup):
     result's `fp8` holds the step's amax observations, for `setup.fp8.update`."""
     sums = (pipeline.grad_sums if _pipelined(setup) else replica.grad_sums)(setup)
 
-    def fn(params, batch, fp8_meta) -> Normalised:
-        return normalise(sums(compute_params(setup, params), batch, fp8_meta),
-                         setup.param_shardings)
+    def fn(params, batch, fp8_meta, step=0) -> Normalised:
+        return normalise(sums(compute_params(setup, params), with_mtp_weight(setup, batch, step),
+                              fp8_meta), setup.param_shardings)
     return fn
+
+
+def with_mtp_weight(setup: Setup, batch, step):
+    """The batch with multi-token prediction's factor at `step` (traced: a schedule change
+    does not recompile) as a per-token `mtp_weight`, sharded as the batch (model/mtp.py)."""
+    m = setup.cfg.model
+    if not m.mtp_depths:
+        return batch
+    weight_BS = jnp.broadcast_to(mtp.factor(m, step), batch["loss_mask"].shape)
+    return {**batch, mtp.WEIGHT_KEY: jax.lax.with_sharding_constraint(
+        weight_BS, setup.batch_shardings["loss_mask"])}
 
 
 def _xla_options(setup: Setup) -> dict:
@@ -68,7 +80,7 @@ def make_train_step(setup: Setup, *, donate: bool = True):
     moe_bias_rate = e.bias_update_rate if e is not None and e.expert_bias else None
 
     def train_step(state: TrainState, batch):
-        out = compute(state.params, batch, state.fp8_meta)
+        out = compute(state.params, batch, state.fp8_meta, state.step)
         updates, opt_state = setup.optimizer.update(out.grads, state.opt_state, state.params)
         metrics = {"loss": out.loss, "grad_norm": optax.tree.norm(out.grads),
                    "lr": optim.learning_rate(cfg.train)(state.step), "tokens": out.tokens,

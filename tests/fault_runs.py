@@ -1,5 +1,9 @@
 """Fault-test runs: the recipe every fault test trains (so any resumed run can equal the
-uninterrupted one bit for bit) and real `python train.py` processes with their output."""
+uninterrupted one bit for bit) and real `python train.py` processes with their output.
+
+Every run compiles the same train step; `compile_cache(folder)` lets the in-process runs and
+the launched processes load it from one persistent cache (a fresh folder per test session;
+jax keys an entry by the program, the compile options, the XLA flags and the jax version)."""
 import os
 import pathlib
 import struct
@@ -16,6 +20,15 @@ ARGS = [f"--train.steps={STEPS}", "--train.log_every=1", "--train.eval_every=0",
         "--model.num_layers=2", "--model.hidden_size=64", "--model.mlp_size=128",
         "--train.seq_len=32", "--train.global_batch=8", "--data.corpus_max_bytes=400000"]
 TIMEOUT_S = 300
+CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+_cache_dir: list[str] = []  # the folder compile_cache() set up, if any
+
+
+def compile_cache(folder) -> None:
+    """From now on, `launch`ed processes share the compile cache in `folder` (None: none); the
+    tests enter compat.persistent_compile_cache(folder) for their own runs."""
+    _cache_dir[:] = [str(folder)] if folder else []
 
 
 def config(workdir, *extra):
@@ -32,8 +45,12 @@ def launch(workdir, *extra, faults=()) -> subprocess.Popen:
     runner = [str(ROOT / "tests/faulty_train.py"), *faults, "--"] if faults else []
     command = [*(runner or [str(ROOT / "train.py")]), "--config", "configs/tiny.py", *ARGS,
                *extra, f"--train.workdir={workdir}"]
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
+    # A process whose file writes are made to fail does not write the cache either.
+    if _cache_dir and "--file-size-limit" not in faults:
+        env.update(zip(CACHE_ENV, (_cache_dir[0], "0", "0")))
     proc = subprocess.Popen([sys.executable, *command], cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
 
     def copy(log=workdir.parent / f"{workdir.name}.log"):

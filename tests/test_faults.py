@@ -15,18 +15,41 @@ import time
 
 import pytest
 
+import fault_runs
 from fault_runs import (STEPS, config, error_line, finish, launch, output, steps,
                         tensorboard_steps, wait_for)
-from jaxtrain import trainer
+from jaxtrain import compat, trainer
 from jaxtrain.checkpoint import CheckpointCorruptError
 from util import logged_losses, metric_records
 
 pytestmark = pytest.mark.slow   # real processes: the slowest module of the suite
+# Runs whose step time is under test: a step compiled in the run itself, not loaded.
+UNCACHED = {"test_max_runtime_stops_with_a_checkpoint"}
+
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def cache_dir(tmp_path_factory):
+    """One persistent compile cache for every run of this module, in-process or launched."""
+    folder = tmp_path_factory.mktemp("compile-cache")
+    fault_runs.compile_cache(folder)
+    yield folder
+    fault_runs.compile_cache(None)
+
+
+@pytest.fixture(autouse=True)
+def cached(request, cache_dir):
+    if request.node.originalname in UNCACHED:
+        yield
+        return
+    with compat.persistent_compile_cache(cache_dir):
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir) -> dict[int, float]:
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    trainer.train(config(workdir, "--checkpoint.async_save=false"), log=lambda *_: None)
+    with compat.persistent_compile_cache(cache_dir):
+        trainer.train(config(workdir, "--checkpoint.async_save=false"), log=lambda *_: None)
     losses = logged_losses(workdir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
@@ -179,11 +202,12 @@ def _other_data_position(step_dir: pathlib.Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def stopped_at_6(tmp_path_factory) -> pathlib.Path:
+def stopped_at_6(tmp_path_factory, cache_dir) -> pathlib.Path:
     """Checkpoints 2, 4, 6 of the reference recipe (exit_interval stops it after 6)."""
     workdir = tmp_path_factory.mktemp("stopped_at_6")
-    trainer.train(config(workdir, "--checkpoint.every=2", "--train.exit_interval=6",
-                          "--checkpoint.async_save=false"), log=lambda *_: None)
+    with compat.persistent_compile_cache(cache_dir):
+        trainer.train(config(workdir, "--checkpoint.every=2", "--train.exit_interval=6",
+                              "--checkpoint.async_save=false"), log=lambda *_: None)
     assert steps(workdir) == ["2", "4", "6"]
     return workdir
 

@@ -73,3 +73,27 @@ def test_imported_weights_land_in_their_chunk_rows():
     with pytest.raises(ValueError, match="params have 4 layers but the configured model has"):
         setup_lib.train_state_from_params(
             setup_lib.build(tiny_config("--model.num_layers=6"), natural.mesh), params)
+
+
+def test_imported_weights_of_a_model_with_dense_first_layers_start_a_run():
+    """An MoE model with dense first layers keeps them in `dense_blocks`: its `blocks` rows are
+    its MoE layers (an HF DeepSeek-V3 import starts a run from such params)."""
+    import jax
+    from flax import nnx
+
+    from jaxtrain.executors import setup as setup_lib
+    from jaxtrain.parallel import sharding
+    from util import TINY_MOE, tiny_config
+    one = jax.devices()[:1]
+    cfg = tiny_config(*TINY_MOE, "--model.num_layers=3", "--model.moe.first_k_dense=1")
+    setup = setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, one))
+    params = jax.tree.map(lambda a: np.full(a.shape, 0.5, a.dtype),
+                          nnx.to_pure_dict(setup.abstract_state))
+    state = setup_lib.train_state_from_params(setup, params)
+    np.testing.assert_array_equal(np.asarray(state.params["dense_blocks"]["mlp"]["w_up"]["kernel"]),
+                                  params["dense_blocks"]["mlp"]["w_up"]["kernel"])
+    deeper = tiny_config(*TINY_MOE, "--model.num_layers=4", "--model.moe.first_k_dense=1")
+    with pytest.raises(ValueError, match=r"params have 2 MoE layers but the configured model "
+                       r"has model.num_layers=4 \(3 of them MoE\)"):
+        setup_lib.train_state_from_params(
+            setup_lib.build(deeper, sharding.make_mesh(deeper.parallel, one)), params)

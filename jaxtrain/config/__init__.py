@@ -12,7 +12,7 @@ import X` reaches every name below.
 """
 from jaxtrain.config.errors import ConfigError, FrozenConfigError
 from jaxtrain.config.sections import (
-    CheckpointConfig, Config, DataConfig, Fp8Config, MlaConfig, ModelConfig, MoeConfig,
+    CheckpointConfig, Config, DataConfig, Fp8Config, MlaConfig, ModelConfig, MoeConfig, MtpConfig,
     ParallelConfig,
     PrepareConfig, RematConfig, RopeScaling, TrainConfig)
 from jaxtrain.config.loading import (
@@ -20,8 +20,8 @@ from jaxtrain.config.loading import (
 from jaxtrain.config.rules import (
     CONTEXT_STRATEGIES, DEGREES, FP8_ALIGN, check_batch_split, check_context_core,
     check_context_split, check_expert, check_expert_split, check_fill, check_fp8, check_gqa,
-    check_mla, check_moe, expert_from_data, folds, padded_vocab, parse_duration, parse_mixture,
-    validate, validate_data)
+    check_mla, check_moe, check_mtp, expert_from_data, folds, padded_vocab, parse_duration,
+    parse_mixture, validate, validate_data)
 
 __all__ = [
     "CheckpointConfig",
@@ -33,6 +33,7 @@ __all__ = [
     "MlaConfig",
     "ModelConfig",
     "MoeConfig",
+    "MtpConfig",
     "ParallelConfig",
     "PrepareConfig",
     "RematConfig",
@@ -61,6 +62,7 @@ __all__ = [
     "check_gqa",
     "check_mla",
     "check_moe",
+    "check_mtp",
     "padded_vocab",
     "parse_mixture",
     "validate",

@@ -210,6 +210,41 @@ def check_mla(m: ModelConfig, fp8_enabled: bool = False,
            "FP8 path yet; turn fp8 off for MLA models", error)
 
 
+def mtp_schedule(text: str) -> tuple[tuple[int, float], ...]:
+    """model.mtp.schedule's "STEP:FACTOR,..." as (step, factor) pairs, steps increasing."""
+    pairs = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        step, sep, factor = item.partition(":")
+        try:
+            pairs.append((int(step), float(factor)))
+        except ValueError:
+            sep = ""
+        _check(bool(sep), f"model.mtp.schedule={text!r}: {item!r} is not STEP:FACTOR (e.g. "
+               "'20000:0.1': from step 20000 on the factor is 0.1)")
+    steps = [s for s, _ in pairs]
+    _check(all(s > 0 for s in steps) and steps == sorted(set(steps)), f"model.mtp.schedule="
+           f"{text!r}: the steps must be positive and increasing")
+    _check(all(f >= 0 for _, f in pairs), f"model.mtp.schedule={text!r}: factors must be >= 0")
+    return tuple(pairs)
+
+
+def check_mtp(cfg: Config) -> None:
+    """model.mtp's device-free rules (the resolved stage and context degrees are config_check's)."""
+    t = cfg.model.mtp
+    if t is None:
+        return
+    _check(t.num_layers >= 0, f"model.mtp.num_layers={t.num_layers} must be >= 0 (0: off)")
+    _check(t.loss_scaling_factor >= 0, f"model.mtp.loss_scaling_factor={t.loss_scaling_factor}"
+           " must be >= 0 (DeepSeek-V3: 0.3)")
+    mtp_schedule(t.schedule)
+    if t.num_layers == 0:
+        return
+    _check(not cfg.fp8.enabled, "fp8.enabled=true with model.mtp.num_layers>0: the MTP "
+           "modules have no FP8 path yet; set fp8.enabled=false or model.mtp.num_layers=0")
+    _check(not cfg.checkpoint.init_from, "checkpoint.init_from with model.mtp.num_layers>0: "
+           "imported weights hold no MTP modules; set model.mtp.num_layers=0")
+
+
 def check_moe(m: ModelConfig, fp8_enabled: bool = False) -> None:
     """model.moe's own rules (the expert degree's are config_check's)."""
     e: MoeConfig = m.moe
@@ -323,6 +358,7 @@ def validate(cfg: Config) -> None:
     check_gqa(m)
     check_moe(m, cfg.fp8.enabled)
     check_mla(m, cfg.fp8.enabled)
+    check_mtp(cfg)
     check_expert(m, p, p.data, fp8_enabled=f.enabled)
     _check(m.head_dim > 0 or m.hidden_size % m.num_heads == 0,
            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "

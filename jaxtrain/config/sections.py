@@ -120,6 +120,24 @@ class MlaConfig(_Section):
 
 
 @dataclasses.dataclass
+class MtpConfig(_Section):
+    """Multi-token prediction (DeepSeek-V3 §2.2, Megatron's --mtp-num-layers and
+    --mtp-loss-scaling-factor; model/mtp.py): `num_layers` sequential modules after the stack,
+    module k predicting the token k+1 past the next. Their cross entropies, averaged over the
+    modules, join the objective times the factor. `model.mtp` unset or num_layers 0: off."""
+    num_layers: int = 0               # D (DeepSeek-V3: 1, HF num_nextn_predict_layers)
+    loss_scaling_factor: float = 0.3  # lambda from step 0 (DeepSeek-V3: 0.3)
+    # Later factors, "STEP:FACTOR,..." with increasing steps: from STEP on lambda is FACTOR
+    # (DeepSeek-V3: 0.1 after its first 10T tokens). "": the factor throughout.
+    schedule: str = ""
+
+    @property
+    def boundaries(self) -> tuple[tuple[int, float], ...]:
+        """The schedule's (step, factor) pairs, in order (rules.check_mtp checks them)."""
+        return rules.mtp_schedule(self.schedule)
+
+
+@dataclasses.dataclass
 class ModelConfig(_Section):
     vocab_size: int = 384
     hidden_size: int = 256
@@ -138,6 +156,12 @@ class ModelConfig(_Section):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     moe: Optional[MoeConfig] = None
     mla: Optional[MlaConfig] = None
+    mtp: Optional[MtpConfig] = None
+
+    @property
+    def mtp_depths(self) -> int:
+        """The multi-token prediction modules (0: off)."""
+        return self.mtp.num_layers if self.mtp is not None else 0
 
     @property
     def resolved_head_dim(self) -> int:

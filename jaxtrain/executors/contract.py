@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.model import loss as loss_lib
-from jaxtrain.model import moe, moe_balance
+from jaxtrain.model import moe, moe_balance, mtp
 from jaxtrain.model.loss import LossSums
 
 
@@ -27,15 +27,22 @@ class Sums(NamedTuple):
 
 
 def model_loss(output, mb) -> tuple[jax.Array, LossSums]:
-    """(objective, LossSums) of the model's output on microbatch `mb`: the token loss, and
-    with MoE layers (output = (logits, MoeStats)) their statistics as the aux Means. The
-    objective is the cross entropy alone: the layers' auxiliary terms reach the gradients
-    through moe.attach_loss."""
-    logits, stats = output if isinstance(output, tuple) else (output, None)
+    """(objective, LossSums) of the model's output on microbatch `mb`: the token loss; with
+    MoE layers (output = (logits, MoeStats, ...)) their statistics as the aux Means; with
+    multi-token prediction (an mtp.DepthLogits in the output) its weighted cross entropy
+    added to the objective and `mtp_loss` as an aux Mean. The layers' auxiliary terms reach
+    the gradients through moe.attach_loss."""
+    logits, *rest = output if isinstance(output, tuple) else (output,)
     objective, sums = loss_lib.token_loss(logits, mb["targets"], mb["loss_mask"])
-    if stats is not None:
-        sums = sums.replace(aux=moe.means(stats, sums.tokens))
-    return objective, sums
+    aux = {}
+    for part in rest:
+        if isinstance(part, moe.MoeStats):
+            aux.update(moe.means(part, sums.tokens))
+        elif isinstance(part, mtp.DepthLogits):
+            term, aux["mtp_loss"] = mtp.losses(part, mb, sums.tokens,
+                                               loss_lib.token_cross_entropy)
+            objective = objective + term
+    return objective, sums.replace(aux=aux)
 
 
 class Normalised(NamedTuple):

@@ -152,7 +152,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                              spans(start, stop), start),
                          dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh),
                                                                folded(cfg, mesh)),
-                         grouped_dot=grouped_dot_for(cfg.model, mesh, folded(cfg, mesh))[0])
+                         grouped_dot=grouped_dot_for(cfg.model, mesh, folded(cfg, mesh))[0],
+                         run_layer=remat.single_layer_runner(cfg.remat))
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
@@ -237,9 +238,13 @@ def train_state_from_params(setup: Setup, params: dict) -> TrainState:
     params = weights.pad_vocab(params, setup.model_cfg.vocab_size)
     order = setup.layer_order
     have_layers = layer_order.stored_rows(params)
-    if have_layers is not None and have_layers != order.num_layers:
-        raise CheckpointMismatchError(f"params have {have_layers} layers but the configured "
-                                      f"model has model.num_layers={order.num_layers}")
+    kinds = setup.model_cfg.moe_layers
+    stacked = sum(kinds) or order.num_layers   # `blocks`: the MoE layers when there are any
+    if have_layers is not None and have_layers != stacked:
+        of = f" ({stacked} of them MoE)" if any(kinds) and not all(kinds) else ""
+        raise CheckpointMismatchError(f"params have {have_layers} {'MoE ' if of else ''}layers "
+                                      f"but the configured model has model.num_layers="
+                                      f"{order.num_layers}{of}")
     params = layer_order.convert(params, LayerOrder.natural(order.num_layers), order)
     abstract = setup.abstract_train_state
     check_shapes(params, abstract.params, "params", missing="they were made for another model",

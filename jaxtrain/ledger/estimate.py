@@ -245,8 +245,9 @@ def _memory_fields(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, fl
     def activations(rm):
         if ex is not None:
             return memory.pipelined_activations(cfg, L, rm, flash, seq, ex)
-        return memory.stage_activations(cfg, L, rm, flash, seq, cfg.model.num_layers,
-                                        cfg.model.num_layers)
+        # the MTP modules' blocks store as layers of the stack do
+        layers = cfg.model.num_layers + cfg.model.mtp_depths
+        return memory.stage_activations(cfg, L, rm, flash, seq, layers, layers)
 
     static = memory.static_bytes(cfg, L, n_local, n_state, n_expert)
     if ex is not None:

@@ -35,6 +35,11 @@ class ParamCounts:
     per_moe_layer: dict = dataclasses.field(default_factory=dict)
     moe_layers: int = 0
     active_expert_fraction: float = 1.0   # top_k / num_experts: what a token runs of "experts"
+    # Multi-token prediction (model.mtp): the D modules' parameters (a dense layer, eh_proj's
+    # 2·h·h and three norms each), and the shared head's V·h that each module multiplies by
+    # again (not stored: counted in the FLOPs' N only).
+    mtp: int = 0
+    mtp_head: int = 0
 
     @property
     def dense_layers(self) -> int:
@@ -62,7 +67,7 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.layers + self.embedding + self.lm_head + self.final_norm
+        return self.layers + self.embedding + self.lm_head + self.final_norm + self.mtp
 
     @property
     def non_embedding(self) -> int:
@@ -71,8 +76,9 @@ class ParamCounts:
 
     @property
     def active_non_embedding(self) -> float:
-        """N of the FLOPs formula: non_embedding with only the activated experts."""
-        return self.non_embedding - self.layers + self.layers_active
+        """N of the FLOPs formula: non_embedding with only the activated experts, and the
+        head once more per MTP module."""
+        return self.non_embedding - self.layers + self.layers_active + self.mtp_head
 
 
 def param_counts(model: ModelConfig) -> ParamCounts:
@@ -89,10 +95,20 @@ def param_counts(model: ModelConfig) -> ParamCounts:
                # the balancing bias: an fp32 param leaf, never trained (model/moe_balance.py)
                "router_bias": e.num_experts if e.expert_bias else 0}
         active = e.top_k / e.num_experts
+    d = model.mtp_depths
     return ParamCounts(per_layer=per_layer, embedding=table,
                        lm_head=0 if model.tie_embeddings else table, final_norm=h,
                        num_layers=model.num_layers, per_moe_layer=moe, moe_layers=n_moe,
-                       active_expert_fraction=active)
+                       active_expert_fraction=active,
+                       mtp=d * (sum(per_layer.values()) + mtp_extra_params(model)),
+                       mtp_head=d * table)
+
+
+def mtp_extra_params(model: ModelConfig) -> int:
+    """What an MTP module holds beside its dense block: eh_proj (2·h·h) and its three norms
+    (embedding, hidden, output)."""
+    h = model.hidden_size
+    return 2 * h * h + 3 * h
 
 
 def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
@@ -116,9 +132,9 @@ def _attention_fraction(causal: bool) -> float:
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     """QK^T and PV, forward (4) plus backward (8), per token: 12·L·(H·E)·s for the full square,
-    half of it causal."""
-    return (12.0 * model.num_layers * latent.attention_width(model) * seq_len
-            * _attention_fraction(causal))
+    half of it causal; L counts the MTP modules' blocks."""
+    return (12.0 * (model.num_layers + model.mtp_depths) * latent.attention_width(model)
+            * seq_len * _attention_fraction(causal))
 
 
 def model_flops_per_token(cfg: Config, seq_len: int | None = None, *,
@@ -208,17 +224,22 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
     m = cfg.model
     if remat.granularity == "none":
         return 0.0
+    counts = param_counts(m)
     if remat.granularity == "full":
         stage_layers = stage_layers or (m.num_layers,)
         n = recomputed_layers(remat, stage_layers, virtual_stages)
-        return n * layer_forward_flops_per_token(m, seq_len, causal=causal)
-    counts = param_counts(m)
+        # each MTP block is checkpointed whole (remat.single_layer_runner); eh_proj is not
+        mtp_block = (2.0 * sum(counts.per_layer.values()) + 4.0 * latent.attention_width(m)
+                     * seq_len * _attention_fraction(causal))
+        return (n * layer_forward_flops_per_token(m, seq_len, causal=causal)
+                + m.mtp_depths * mtp_block)
     dense, moe = _module_flops(m, seq_len, causal, expert_rows_per_token(m))
     unknown = [x for x in remat.modules if x not in dense]
     if unknown:
         raise ConfigError(f"remat.modules has unknown {unknown}; known: {', '.join(dense)}")
     return sum(n * sum(table[x] for x in set(remat.modules))
-               for n, table in ((counts.dense_layers, dense), (counts.moe_layers, moe)))
+               for n, table in ((counts.dense_layers + m.mtp_depths, dense),
+                                (counts.moe_layers, moe)))
 
 
 def expert_rows_per_token(m: ModelConfig) -> float:

@@ -159,6 +159,11 @@ def validate_layout(cfg: Config, layout: Layout, n_devices: int | None = None,
         raise LayoutError(f"micro_batch x seq_len/context = {tokens} tokens is not divisible "
                           f"by tensor={t}: under parallel.expert_tensor=1 each tensor rank "
                           "dispatches its share; change the micro-batch or the sequence")
+    for axis in ("stage", "context") if m.mtp_depths else ():
+        if getattr(L, axis) > 1:
+            raise LayoutError(f"parallel.{axis}={getattr(L, axis)} with model.mtp.num_layers="
+                              f"{m.mtp_depths}: multi-token prediction runs only without {axis} "
+                              f"parallelism yet; set parallel.{axis}=1 or model.mtp.num_layers=0")
     check_context_split(seq_len, L.context, cfg.parallel.context_load_balance, LayoutError)
     if L.sequence_parallel and (seq_len // L.context) % t:
         raise LayoutError(f"seq_len/context={seq_len // L.context} is not divisible by tensor={t}"

@@ -37,7 +37,7 @@ import dataclasses
 
 from jaxtrain.config import Config, RematConfig, padded_vocab
 from jaxtrain.ledger import experts, latent
-from jaxtrain.ledger.flops import param_counts
+from jaxtrain.ledger.flops import mtp_extra_params, param_counts
 from jaxtrain.ledger.hardware import GiB
 from jaxtrain.ledger.layout import Layout
 from jaxtrain.ledger.pipeline import DTYPE_BYTES, Executor, chunk_input_bytes
@@ -172,13 +172,23 @@ def params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> 
     row (one vocab table); without stages the layers and both tables."""
     vocab = (edge_params_local(cfg, layout.tensor) if layout.stage > 1
              else vocab_params_local(cfg, layout.tensor))
-    return _layers_local(cfg, layout, stage_layers) + vocab
+    return _layers_local(cfg, layout, stage_layers) + vocab + mtp_params_local(cfg, layout.tensor)
 
 
 def state_params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
     """Parameters whose fp32 master and Adam moments one device holds: with stages its layers
     and both vocab tables (replicated over stage)."""
-    return _layers_local(cfg, layout, stage_layers) + vocab_params_local(cfg, layout.tensor)
+    return (_layers_local(cfg, layout, stage_layers) + vocab_params_local(cfg, layout.tensor)
+            + mtp_params_local(cfg, layout.tensor))
+
+
+def mtp_params_local(cfg: Config, tensor: int) -> float:
+    """The MTP modules' parameters per tensor rank: a dense layer each, split as the stack's,
+    and eh_proj and the norms whole (model/mtp.py; 0 without MTP, which runs unpipelined)."""
+    m = cfg.model
+    if not m.mtp_depths:
+        return 0.0
+    return m.mtp_depths * (_layer_kinds_local(cfg, tensor, 1)[0] + mtp_extra_params(m))
 
 
 def static_bytes(cfg: Config, layout: Layout, n_local: float,
@@ -410,8 +420,10 @@ def reserve_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
     with expert ranks one MoE layer's all-to-all buffers. Per context rank: s/c tokens."""
     m = cfg.model
     tokens = seq_len / layout.context * layout.micro_batch
-    logits = tokens * (_compute_bytes(cfg) * padded_vocab(m.vocab_size, layout.tensor)
-                       / layout.tensor + 4 * m.hidden_size)
+    # each MTP module's logits as well (they are live with the main ones)
+    logits = tokens * (1 + m.mtp_depths) * (
+        _compute_bytes(cfg) * padded_vocab(m.vocab_size, layout.tensor) / layout.tensor
+        + 4 * m.hidden_size)
     return logits + workspace_bytes(cfg) + experts.dispatch_buffer_bytes(cfg, layout, seq_len)
 
 

@@ -29,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import mla as mla_lib
 from jaxtrain.model import moe as moe_lib
+from jaxtrain.model import mtp as mtp_lib
 from jaxtrain.model import stack as stack_lib
 from jaxtrain.model.fp8 import Fp8Converter
 from jaxtrain.model.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
@@ -64,7 +65,10 @@ class Ops:
     tokens to the experts and back (moe.local_dispatch's contract; expert parallelism puts
     its all-to-alls there, and `local_experts(tree, num_experts)` slices per-expert FP8 metas
     to the rank's experts). `fp8` says which
-    projections run in FP8 and owns their metas (default: FP8 off).
+    projections run in FP8 and owns their metas (default: FP8 off). `run_layer(block_fn,
+    x_BSD, layer_state) -> x_BSD` runs one layer apart from the stack (the multi-token
+    prediction modules' blocks; default: the layer as it is; remat supplies the stack's
+    policy).
     """
     dot_general: DotGeneral = jax.lax.dot_general
     constrain: Constrain = identity_constrain
@@ -75,6 +79,7 @@ class Ops:
     span_runner: Optional[Callable[[int, int], Callable]] = None
     grouped_dot: Callable = moe_lib.ragged_dot
     dispatch: Callable = moe_lib.local_dispatch
+    run_layer: Optional[Callable] = None
 
 
 def _real_vocab_rows(init, real_vocab: int, axis: int):
@@ -225,6 +230,9 @@ class Llama(nnx.Module):
                 rngs, _real_vocab_rows(normal(1.0 / math.sqrt(cfg.hidden_size)),
                                        self.real_vocab, axis=1),
                 (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdt)
+        if cfg.mtp_depths:   # drawn last: the main model's weights are those without it
+            self.mtp = mtp_lib.MultiTokenPrediction(
+                cfg, ops, rngs, lambda: Block(cfg, ops, rngs, moe=False))
 
     # The three stages of the forward pass, separately callable so a pipeline can put the
     # embedding before and the head after its stages.
@@ -304,7 +312,10 @@ class Llama(nnx.Module):
         return x, stats
 
     def logits(self, x_BSD):
-        h_BSD = self.final_norm(x_BSD)
+        return self.head(self.final_norm(x_BSD))
+
+    def head(self, h_BSD):
+        """fp32 logits of the normed hidden state: the output head the MTP modules share."""
         w_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         w_DV = self.ops.constrain(w_DV, ("embed", "vocab"))  # gathered once, vocab-parallel
         # The GEMM writes the compute dtype (fp32 accumulation inside), as Megatron's and
@@ -319,14 +330,20 @@ class Llama(nnx.Module):
         return self.ops.constrain(logits_BSV, ("batch", "length", "vocab"))
 
     def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None, use_fp8: bool = True):
-        """Logits [B, S, V] fp32; with MoE layers (logits, moe.MoeStats of the forward)."""
+        """Logits [B, S, V] fp32; with MoE layers (logits, moe.MoeStats of the forward); with
+        multi-token prediction an mtp.DepthLogits after those."""
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
         if segment_ids_BS is None:
             segment_ids_BS = jnp.ones_like(tokens_BS)
-        x_BSD = self.embed_tokens(tokens_BS)
-        x_BSD = self.run_blocks(x_BSD, positions_BS, segment_ids_BS, use_fp8)
+        emb_BSD = self.embed_tokens(tokens_BS)
+        x_BSD = self.run_blocks(emb_BSD, positions_BS, segment_ids_BS, use_fp8)
+        out = []
         if self.has_moe:
             x_BSD, stats = x_BSD
-            return self.logits(x_BSD), stats
-        return self.logits(x_BSD)
+            out.append(stats)
+        if self.cfg.mtp_depths:
+            cos, sin = rope_tables(self.cfg, positions_BS)
+            out.append(self.mtp(x_BSD, emb_BSD, cos, sin, segment_ids_BS, self.head))
+        logits = self.logits(x_BSD)
+        return (logits, *out) if out else logits

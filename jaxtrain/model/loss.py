@@ -44,12 +44,16 @@ def cross_entropy_sum(logits_BSV, targets_BS, mask_BS):
     Sums (not means) so microbatches and data shards combine exactly. The target logit is
     picked with a one-hot product so a vocab-sharded logits array is reduced where it lives
     instead of being gathered onto one device (Megatron's vocab-parallel cross entropy)."""
+    mask_BS = mask_BS.astype(jnp.float32)
+    return jnp.sum(token_cross_entropy(logits_BSV, targets_BS) * mask_BS), jnp.sum(mask_BS)
+
+
+def token_cross_entropy(logits_BSV, targets_BS):
+    """[B, S] fp32 cross entropy per position (unmasked)."""
     logits_BSV = logits_BSV.astype(jnp.float32)
     lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
     onehot_BSV = jax.nn.one_hot(targets_BS, logits_BSV.shape[-1], dtype=jnp.float32)
-    target_BS = jnp.sum(logits_BSV * onehot_BSV, axis=-1)
-    mask_BS = mask_BS.astype(jnp.float32)
-    return jnp.sum((lse_BS - target_BS) * mask_BS), jnp.sum(mask_BS)
+    return lse_BS - jnp.sum(logits_BSV * onehot_BSV, axis=-1)
 
 
 def token_loss(logits_BSV, targets_BS, mask_BS) -> tuple[jax.Array, LossSums]:

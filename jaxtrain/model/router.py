@@ -20,8 +20,8 @@ microbatches, pipeline stages and data/expert replicas by the executors' one red
 every rank sees the same loads. The train step takes them out of the gradients before the
 optimizer (moe_balance.py) and moves the bias by rate·sign(mean load - load).
 
-The masked-out groups' choice scores are -inf (Megatron; HF's DeepseekV3 writes 0.0, which
-differs only when a biased score is negative).
+The masked-out groups' choice scores are -inf (Megatron, transformers' DeepseekV3 5.x;
+DeepSeek's released code writes 0.0, which differs only when a biased score is negative).
 """
 from __future__ import annotations
 

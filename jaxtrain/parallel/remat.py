@@ -320,6 +320,16 @@ def _take(stacked, start, stop):
     return jax.tree.map(lambda a: a[start:stop], stacked)
 
 
+def single_layer_runner(r: RematConfig) -> Callable:
+    """`run(block_fn, x_BSD, layer_state) -> x_BSD` for one layer apart from the stack (the
+    multi-token prediction modules' blocks) under the stack's policy: a layer of a stack of
+    one (full recompute checkpoints it whole: a uniform group of one layer)."""
+    if not r.policy and r.granularity == "full":
+        r = dataclasses.replace(r, method="uniform", num_layers=1)
+    run = layer_runner(r)
+    return lambda fn, x, state: run(fn, x, jax.tree.map(lambda a: a[None], state))
+
+
 def layer_runner(r: RematConfig) -> Callable:
     """`run_layers(block_fn, x_BSD, stacked_state) -> x_BSD` for this remat config.
 

@@ -1,4 +1,4 @@
-"""Hugging Face Llama and Mixtral checkpoints <-> jaxtrain params.
+"""Hugging Face Llama, Mixtral and DeepSeek-V3 checkpoints <-> jaxtrain params.
 
     python -m jaxtrain.hf import --hf-dir HF_DIR --out DIR
         HF_DIR (config.json + *.safetensors, sharded or not) -> DIR/params.safetensors (our pure
@@ -7,8 +7,8 @@
     python -m jaxtrain.hf export --checkpoint PATH [--step N] --out HF_DIR [--dtype bfloat16]
         PATH is an import DIR, a training workdir (latest or --step checkpoint) or one of its
         checkpoints/<step> folders -> HF config.json + model.safetensors (sharded past
-        --max-shard-gb), loadable by transformers.LlamaForCausalLM (or, with model.moe,
-        MixtralForCausalLM).from_pretrained.
+        --max-shard-gb), loadable by transformers.LlamaForCausalLM (with model.moe
+        MixtralForCausalLM, with model.mla DeepseekV3ForCausalLM).from_pretrained.
 
 Mixtral. Every layer is MoE: the router `block_sparse_moe.gate` [E, D] is our
 `blocks/moe/router` [D, E]; expert j's w1 / w3 / w2 are rows j of our stacked `w_gate`,
@@ -21,10 +21,13 @@ does not run (jitter noise, sigmoid scores, no top-k renormalisation, shared exp
 refused, as are models HF's Mixtral cannot express on export (dense layers, shared experts,
 pre_softmax).
 
+DeepSeek-V3 (a model with model.mla): hf_deepseek.py's map, with its RoPE column order.
+
 Layout. HF Linear weights are [out, in]; our kernels are [in, out] with heads split, and
-per-layer weights are stacked on a leading L axis. Both use rotate-half RoPE on the same
-head-dim halves (HF's checkpoints already carry the q/k permutation away from Meta's
-interleaved layout), so q/k are a transpose and a reshape, no permutation.
+per-layer weights are stacked on a leading L axis (hf_spec.py). Llama's and Mixtral's
+checkpoints and ours use rotate-half RoPE on the same head-dim halves (HF's checkpoints
+already carry the q/k permutation away from Meta's interleaved layout), so q/k are a
+transpose and a reshape, no permutation.
 
 Vocab padding. Our embedding may have more rows than the real vocab (Megatron's
 make-vocab-size-divisible-by; `config.padded_vocab`). Export keeps the first
@@ -36,7 +39,6 @@ Needs only numpy, ml_dtypes and safetensors; orbax/jax only to read training che
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import shutil
@@ -47,7 +49,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxtrain.config import Config, ConfigError, ModelConfig
-from jaxtrain.tools.hf_config import check_mixtral, hf_config_from_model, model_config_from_hf
+from jaxtrain.tools import hf_deepseek
+from jaxtrain.tools.hf_config import check_exportable, hf_config_from_model, model_config_from_hf
+from jaxtrain.tools.hf_spec import Spec, heads_in, heads_out, layer_slots, same, transpose
 from jaxtrain.weights import (PARAMS_FILE, HfConversionError, read_checkpoint,
                               read_safetensors_folder, refuse_overwrite, save_params, set_path,
                               write_safetensors_shards)
@@ -59,63 +63,43 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # ----------------------------------------------------------------------------- params
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """One HF tensor of a layer and where it lives in ours (`expert`: its row of a stacked
-    [E, ...] expert weight)."""
-    hf_name: str
-    path: tuple            # under `blocks`
-    hf_shape: tuple
-    our_shape: tuple       # of this tensor in one layer (an expert's row when `expert` is set)
-    to_ours: Any
-    to_hf: Any
-    expert: int | None = None
-
-    def layer_shape(self, m: ModelConfig) -> tuple:
-        """The per-layer shape of the array it lands in (stacked experts: [E, ...])."""
-        return self.our_shape if self.expert is None else (m.moe.num_experts, *self.our_shape)
-
-
-def _layer_specs(m: ModelConfig) -> list[_Spec]:
+def _layer_specs(m: ModelConfig, moe: bool, hf_config: dict | None = None) -> list[Spec]:
+    """The HF tensors of one decoder layer (an MoE layer when `moe`): DeepSeek-V3's for a
+    model with MLA (hf_deepseek.py), else Llama's or Mixtral's."""
+    if m.mla is not None:
+        return hf_deepseek.layer_specs(m, moe, (hf_config or {}).get("rope_interleave", True))
     d, h, k, e = m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim
-
-    def heads_out(n):  # HF [n*e, d] <-> ours [d, n, e]
-        return ((n * e, d), (d, n, e), lambda w: w.T.reshape(d, n, e),
-                lambda w: w.reshape(d, n * e).T)
-    wo = (d, h * e), (h, e, d), lambda w: w.T.reshape(h, e, d), lambda w: w.reshape(h * e, d).T
-    same = lambda shape: (shape, shape, lambda w: w, lambda w: w)  # noqa: E731
-    transpose = lambda shape: (shape, shape[::-1], lambda w: w.T, lambda w: w.T)  # noqa: E731
     specs = [
-        _Spec("self_attn.q_proj.weight", ("attn", "wq", "kernel"), *heads_out(h)),
-        _Spec("self_attn.k_proj.weight", ("attn", "wk", "kernel"), *heads_out(k)),
-        _Spec("self_attn.v_proj.weight", ("attn", "wv", "kernel"), *heads_out(k)),
-        _Spec("self_attn.o_proj.weight", ("attn", "wo", "kernel"), *wo),
-        _Spec("input_layernorm.weight", ("attn_norm", "scale"), *same((d,))),
-        _Spec("post_attention_layernorm.weight", ("mlp_norm", "scale"), *same((d,))),
+        Spec("self_attn.q_proj.weight", ("attn", "wq", "kernel"), *heads_out(d, h, e)),
+        Spec("self_attn.k_proj.weight", ("attn", "wk", "kernel"), *heads_out(d, k, e)),
+        Spec("self_attn.v_proj.weight", ("attn", "wv", "kernel"), *heads_out(d, k, e)),
+        Spec("self_attn.o_proj.weight", ("attn", "wo", "kernel"), *heads_in(h, e, d)),
+        Spec("input_layernorm.weight", ("attn_norm", "scale"), *same((d,))),
+        Spec("post_attention_layernorm.weight", ("mlp_norm", "scale"), *same((d,))),
     ]
-    if m.moe is None:
+    if not moe:
         f = m.mlp_size
         return specs + [
-            _Spec("mlp.gate_proj.weight", ("mlp", "w_gate", "kernel"), *transpose((f, d))),
-            _Spec("mlp.up_proj.weight", ("mlp", "w_up", "kernel"), *transpose((f, d))),
-            _Spec("mlp.down_proj.weight", ("mlp", "w_down", "kernel"), *transpose((d, f)))]
+            Spec("mlp.gate_proj.weight", ("mlp", "w_gate", "kernel"), *transpose((f, d))),
+            Spec("mlp.up_proj.weight", ("mlp", "w_up", "kernel"), *transpose((f, d))),
+            Spec("mlp.down_proj.weight", ("mlp", "w_down", "kernel"), *transpose((d, f)))]
     f = m.expert_mlp_size
-    specs.append(_Spec("block_sparse_moe.gate.weight", ("moe", "router"),
-                       *transpose((m.moe.num_experts, d))))
+    specs.append(Spec("block_sparse_moe.gate.weight", ("moe", "router"),
+                      *transpose((m.moe.num_experts, d))))
     for j in range(m.moe.num_experts):
         for hf_w, ours, shape in (("w1", "w_gate", (f, d)), ("w3", "w_up", (f, d)),
                                   ("w2", "w_down", (d, f))):
-            specs.append(_Spec(f"block_sparse_moe.experts.{j}.{hf_w}.weight", ("moe", ours),
-                               *transpose(shape), expert=j))
+            specs.append(Spec(f"block_sparse_moe.experts.{j}.{hf_w}.weight", ("moe", ours),
+                              *transpose(shape), expert=j))
     return specs
 
 
-def _hf_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
+def _hf_shapes(m: ModelConfig, vocab: int, hf_config: dict | None = None) -> dict[str, tuple]:
     shapes = {"model.embed_tokens.weight": (vocab, m.hidden_size),
               "model.norm.weight": (m.hidden_size,)}
-    specs = _layer_specs(m)
-    for i in range(m.num_layers):
-        shapes.update({f"model.layers.{i}.{s.hf_name}": s.hf_shape for s in specs})
+    specs = {moe: _layer_specs(m, moe, hf_config) for moe in set(m.moe_layers)}
+    for i, moe in enumerate(m.moe_layers):
+        shapes.update({f"model.layers.{i}.{s.hf_name}": s.hf_shape for s in specs[moe]})
     if not m.tie_embeddings:
         shapes["lm_head.weight"] = (vocab, m.hidden_size)
     return shapes
@@ -126,14 +110,16 @@ def _get(tree: dict, path: Sequence[str], what: str):
     for key in path:
         if not isinstance(node, dict) or key not in node:
             raise HfConversionError(f"params have no {'/'.join(path)} (needed for {what}); "
-                                    "are these jaxtrain Llama params?")
+                                    "are these jaxtrain params of this model config?")
         node = node[key]
     return np.asarray(node)
 
 
-def params_from_hf(state_dict: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
-    """Our pure-dict params (numpy, `model_cfg.param_dtype`) from a HF Llama or Mixtral state
-    dict.
+def params_from_hf(state_dict: dict[str, np.ndarray], model_cfg: ModelConfig,
+                   hf_config: dict | None = None) -> dict:
+    """Our pure-dict params (numpy, `model_cfg.param_dtype`) from a HF Llama, Mixtral or
+    DeepSeek-V3 state dict; `hf_config` (its config.json) tells DeepSeek-V3's rope layout
+    (rope_interleave, default true) and MTP layers (num_nextn_predict_layers, skipped).
 
     `model_cfg.vocab_size` may exceed the checkpoint's vocab: the extra embedding rows (and
     lm_head columns) are zeros. Unknown tensors are an error, so no weight is silently dropped.
@@ -146,10 +132,13 @@ def params_from_hf(state_dict: dict[str, np.ndarray], model_cfg: ModelConfig) ->
     if vocab > m.vocab_size:
         raise HfConversionError(f"HF checkpoint has {vocab} embedding rows but model.vocab_size="
                                 f"{m.vocab_size}; use a vocab_size >= {vocab}")
-    expected = _hf_shapes(m, vocab)
+    expected = _hf_shapes(m, vocab, hf_config)
     ignored = {n for n in state_dict if n.endswith("rotary_emb.inv_freq")}  # old files: a buffer
     if m.tie_embeddings:
         ignored.add("lm_head.weight")  # some tied checkpoints still store the shared matrix
+    if m.mla is not None:
+        ignored |= hf_deepseek.mtp_tensors(
+            state_dict, m, int((hf_config or {}).get("num_nextn_predict_layers") or 0))
     unexpected = sorted(set(state_dict) - set(expected) - ignored)
     if unexpected:
         more = " ..." if len(unexpected) > 5 else ""
@@ -177,25 +166,29 @@ def params_from_hf(state_dict: dict[str, np.ndarray], model_cfg: ModelConfig) ->
                               "final_norm": {"scale": fetch("model.norm.weight").astype(dtype)}}
     if not m.tie_embeddings:
         params["lm_head"] = np.ascontiguousarray(pad_rows(fetch("lm_head.weight")).T)
+    slots = layer_slots(m)
+    depth = {stack: sum(s == stack for s, _, _ in slots) for stack, _, _ in slots}
+    specs = {moe: _layer_specs(m, moe, hf_config) for moe in set(m.moe_layers)}
     stacks: dict = {}
-    for spec in _layer_specs(m):
-        # Fill a preallocated [L, ...] array layer by layer: one copy of the weights in memory.
-        if spec.path not in stacks:
-            stacks[spec.path] = np.empty((m.num_layers, *spec.layer_shape(m)), dtype)
-        for i in range(m.num_layers):
-            stacked = stacks[spec.path]
-            row = stacked[i] if spec.expert is None else stacked[i, spec.expert]
-            row[...] = spec.to_ours(fetch(f"model.layers.{i}.{spec.hf_name}"))
+    for i, (stack, row, moe) in enumerate(slots):
+        for spec in specs[moe]:
+            # Fill a preallocated [L, ...] array layer by layer: one copy of the weights.
+            key = (stack, *spec.path)
+            if key not in stacks:
+                ours = np.float32 if spec.path[-1] == hf_deepseek.BIAS else dtype  # fp32 leaf
+                stacks[key] = np.empty((depth[stack], *spec.layer_shape(m)), ours)
+            target = stacks[key][row] if spec.expert is None else stacks[key][row, spec.expert]
+            target[...] = spec.to_ours(fetch(f"model.layers.{i}.{spec.hf_name}"))
     for path, stacked in stacks.items():
-        set_path(params, ("blocks", *path), stacked)
+        set_path(params, path, stacked)
     return params
 
 
 def params_to_hf(params: dict, model_cfg: ModelConfig, *, dtype: str | None = None
                  ) -> dict[str, np.ndarray]:
-    """A HF Llama (or Mixtral) state dict from our pure-dict params, keeping only the first
-    `model_cfg.vocab_size` (real vocab) rows of a padded embedding. `dtype`: cast to it
-    (default: the params' own dtype)."""
+    """A HF Llama, Mixtral or DeepSeek-V3 state dict from our pure-dict params, keeping only
+    the first `model_cfg.vocab_size` (real vocab) rows of a padded embedding. `dtype`: cast to
+    it (default: the params' own dtype; the DeepSeek router and its bias stay fp32)."""
     m = model_cfg
     cast = (lambda w: w.astype(_NP_DTYPES[dtype])) if dtype else (lambda w: w)  # noqa: E731
     embed_VD = _get(params, ("embed",), "model.embed_tokens.weight")
@@ -203,17 +196,21 @@ def params_to_hf(params: dict, model_cfg: ModelConfig, *, dtype: str | None = No
         raise HfConversionError(f"params embed has shape {embed_VD.shape} but the config needs "
                                 f"at least ({m.vocab_size}, {m.hidden_size})")
     out = {"model.embed_tokens.weight": cast(embed_VD[:m.vocab_size])}
-    if m.moe is not None:
-        check_mixtral(m)
-    for spec in _layer_specs(m):
-        stacked = _get(params, ("blocks", *spec.path), f"model.layers.*.{spec.hf_name}")
-        shape = (m.num_layers, *spec.layer_shape(m))
-        if stacked.shape != shape:
-            raise HfConversionError(f"params blocks/{'/'.join(spec.path)} has shape "
-                                    f"{stacked.shape} but the config needs {shape}")
-        for i in range(m.num_layers):
-            w = stacked[i] if spec.expert is None else stacked[i, spec.expert]
-            out[f"model.layers.{i}.{spec.hf_name}"] = cast(spec.to_hf(w))
+    check_exportable(m)
+    slots = layer_slots(m)
+    depth = {stack: sum(s == stack for s, _, _ in slots) for stack, _, _ in slots}
+    specs = {moe: _layer_specs(m, moe) for moe in set(m.moe_layers)}
+    for i, (stack, row, moe) in enumerate(slots):
+        for spec in specs[moe]:
+            stacked = _get(params, (stack, *spec.path), f"model.layers.{i}.{spec.hf_name}")
+            shape = (depth[stack], *spec.layer_shape(m))
+            if stacked.shape != shape:
+                raise HfConversionError(f"params {stack}/{'/'.join(spec.path)} has shape "
+                                        f"{stacked.shape} but the config needs {shape}")
+            w = stacked[row] if spec.expert is None else stacked[row, spec.expert]
+            w = spec.to_hf(w)
+            out[f"model.layers.{i}.{spec.hf_name}"] = w.astype(np.float32) if spec.fp32 else cast(w)
+    out.update(hf_deepseek.zero_bias(m))
     out["model.norm.weight"] = cast(_get(params, ("final_norm", "scale"), "model.norm.weight"))
     if not m.tie_embeddings:
         lm_head_DV = _get(params, ("lm_head",), "lm_head.weight")
@@ -251,7 +248,7 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path) -> Config
     hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir)
     hf_config, state_dict = load_hf_checkpoint(hf_dir)
     cfg = Config(model=model_config_from_hf(hf_config))
-    params = params_from_hf(state_dict, cfg.model)
+    params = params_from_hf(state_dict, cfg.model, hf_config)
     out_dir.mkdir(parents=True, exist_ok=True)
     refuse_overwrite(out_dir, PARAMS_FILE)  # before copying anything into it
     if _copy_tokenizer(hf_dir, out_dir):
@@ -263,8 +260,13 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path) -> Config
 def export_hf(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path, *,
               step: int | None = None, dtype: str = "float32",
               max_shard_bytes: int = 5 * 2**30) -> None:
-    """Our checkpoint (see `read_checkpoint`) -> HF folder, with the run's tokenizer if any."""
+    """Our checkpoint (see `read_checkpoint`) -> HF folder, with the run's tokenizer if any.
+    Multi-token prediction modules (params["mtp"], model.mtp) are dropped, and said so: they
+    are a training objective, not part of the model a HF checkpoint loads."""
     params, cfg = read_checkpoint(checkpoint, step)
+    if params.pop("mtp", None) is not None:
+        print(f"export: dropping the {cfg.model.mtp_depths} multi-token prediction module(s)",
+              file=sys.stderr)
     save_hf_checkpoint(out_dir, params, cfg.model, dtype=dtype, max_shard_bytes=max_shard_bytes)
     tok = pathlib.Path(cfg.data.tokenizer)
     if cfg.data.tokenizer != "byte":
@@ -283,8 +285,8 @@ def _copy_tokenizer(src: pathlib.Path, dst: pathlib.Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.hf",
-                                     description="Convert Llama and Mixtral checkpoints to/from "
-                                     "Hugging Face.")
+                                     description="Convert Llama, Mixtral and DeepSeek-V3 "
+                                     "checkpoints to/from Hugging Face.")
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF folder -> params.safetensors + config.json + recipe.py")
     imp.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")

@@ -1,11 +1,12 @@
-"""Hugging Face `config.json` (Llama, Mixtral) <-> jaxtrain's ModelConfig: the 4.x and 5.x
-layouts read, the 4.x one written, and what HF's Mixtral cannot express refused; the weights'
-conversion is hf.py's."""
+"""Hugging Face `config.json` (Llama, Mixtral; DeepSeek-V3 in hf_deepseek_config.py) <->
+jaxtrain's ModelConfig: the 4.x and 5.x layouts read, the 4.x one written, and what HF's
+Mixtral cannot express refused; the weights' conversion is hf.py's."""
 from __future__ import annotations
 
 import dataclasses
 
 from jaxtrain.config import ModelConfig, MoeConfig, RopeScaling
+from jaxtrain.tools import hf_deepseek_config
 from jaxtrain.weights import HfConversionError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -20,11 +21,15 @@ _FOREIGN_ROUTER_KEYS = (("scoring_func", "softmax", "sigmoid or other scores"),
 
 
 def model_config_from_hf(hf_config: dict) -> ModelConfig:
-    """A `ModelConfig` from a HF Llama `config.json` dict (transformers 4.x or 5.x layout)."""
+    """A `ModelConfig` from a HF Llama, Mixtral or DeepSeek-V3 `config.json` dict
+    (transformers 4.x or 5.x layout)."""
     c = hf_config
+    if c.get("model_type") == "deepseek_v3":
+        return hf_deepseek_config.model_config_from_hf(c)
     if c.get("model_type", "llama") not in ARCHITECTURES:
         raise HfConversionError(f"model_type={c['model_type']!r} is not supported; only Llama "
-                                "('llama') and Mixtral ('mixtral') checkpoints convert")
+                                "('llama'), Mixtral ('mixtral') and DeepSeek-V3 ('deepseek_v3') "
+                                "checkpoints convert")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size"):
         if key not in c:
@@ -92,8 +97,10 @@ def _moe_from_hf(c: dict) -> MoeConfig:
 
 def hf_config_from_model(model_cfg: ModelConfig, *, dtype: str = "float32") -> dict:
     """A HF `config.json` dict. Written in the 4.x layout (top-level rope_theta/rope_scaling),
-    which transformers 5 also reads."""
+    which transformers 5 also reads. A model with MLA is DeepSeek-V3's."""
     m = model_cfg
+    if m.mla is not None:
+        return hf_deepseek_config.hf_config_from_model(m, dtype=dtype)
     rope_scaling = None
     if m.rope_scaling is not None:
         rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(m.rope_scaling)}
@@ -130,3 +137,11 @@ def check_mixtral(m: ModelConfig) -> None:
         if not ok:
             raise HfConversionError(f"this MoE model has {what}, which HF's Mixtral cannot "
                                     "express; only all-MoE models with Mixtral's router export")
+
+
+def check_exportable(m: ModelConfig) -> None:
+    """Whether HF's model of this family (DeepSeek-V3 with MLA, Mixtral with MoE) expresses it."""
+    if m.mla is not None:
+        hf_deepseek_config.check_deepseek(m)
+    elif m.moe is not None:
+        check_mixtral(m)
