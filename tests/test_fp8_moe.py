@@ -1,7 +1,5 @@
 """FP8 for the MoE experts: the per-expert grouped GEMM against the dense FP8 formulas, the
 per-expert meta update, and tiny FP8 MoE models through the trainer."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,7 +140,6 @@ def test_fp8_moe_configs_it_cannot_run_are_one_line_errors(overrides, message):
 
 # ----------------------------------------------------------------------------- through train.py
 
-import json          # noqa: E402
 import pathlib       # noqa: E402
 
 from jaxtrain import trainer                          # noqa: E402
@@ -150,7 +147,7 @@ from jaxtrain.checkpoint import Checkpointer          # noqa: E402
 from jaxtrain.config import CheckpointConfig, load_config  # noqa: E402
 from jaxtrain.executors import setup as setup_lib     # noqa: E402
 from jaxtrain.parallel import sharding                # noqa: E402
-from util import TINY_MOE, logged_losses, metric_records, train_on_one_device  # noqa: E402
+from util import TINY_MOE, metric_records, train_on_one_device  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 4

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.executors.contract import Sums, model_loss
 from jaxtrain.executors.setup import Setup, split_microbatches
-from jaxtrain.model import loss as loss_lib
 from jaxtrain.parallel import grad_accumulation, sharding
 from jaxtrain.parallel.mesh_axes import EXPERT
 
