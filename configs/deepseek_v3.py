@@ -35,7 +35,7 @@ even share dropped) the layout fits: 11-19% MFU at 45.3 of 72 GiB. At expert 8 i
 11-20% MFU at 57.5 of 72 GiB. Its all-to-all moves 2658.5 GB per device per step over the NIC
 (32 expert ranks x tensor 2 span 8 nodes): 53 s of a 8.3 s ideal step, which caps the MFU;
 DeepSeek's node-limited routing, which bounds that traffic, is not modelled. The planner's own
-pick: tensor 4, stage 16, expert 8 folded, remat full(uniform,1), 28-45% MFU at 64.4 of 72 GiB.
+pick: tensor 4, stage 16, expert 8 folded, remat full(uniform,1), 29-45% MFU at 64.4 of 72 GiB.
 """
 from jaxtrain.config import Config, MlaConfig, ModelConfig, MoeConfig, TrainConfig
 
