@@ -16,7 +16,8 @@ from jaxtrain.config import ConfigError, MlaConfig, ModelConfig, load_config
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import mla
-from util import logged_losses, train_on_one_device
+from util import logged_losses, model_leaf_count, one_device_grad_step_matmul_flops, \
+    train_on_one_device
 
 F32 = jnp.float32
 H, D, NOPE, ROPE, VDIM, KV_RANK, Q_RANK = 4, 32, 8, 4, 6, 12, 10
@@ -229,29 +230,17 @@ def test_ledger_counts_mla_params_and_the_compiled_matmul_flops(q_lora_rank, yar
     """The ledger's parameters are the model's; 6N + 12·L·H·(E+F)/2·s (full square) is every
     matmul FLOP XLA compiles for the gradient step, less the norm weights 6N counts. YaRN
     changes the rope tables only: the same FLOPs as without it, compiled and in the ledger."""
-    from jaxtrain import step
-    from jaxtrain.executors import setup as setup_lib
     from jaxtrain.ledger import estimate, layout_from_config, param_counts
-    from jaxtrain.parallel import sharding
-    from jaxtrain.tools import hlo
-    from jaxtrain.tools.compile_step import CPU_COMPILER_OPTIONS, abstract_batch
     cfg = _ledger_cfg(q_lora_rank, yarn=yarn)
     counts = param_counts(cfg.model)
-    model_state = nnx.state(nnx.eval_shape(lambda: model_lib.Llama(cfg.model,
-                                                                   rngs=nnx.Rngs(0))))
-    assert counts.total == sum(x.size for x in jax.tree.leaves(model_state))
-    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
-    setup = setup_lib.build(cfg, mesh)
-    state = setup.abstract_train_state
-    compiled = step.make_grad_step(setup).lower(
-        state.params, abstract_batch(cfg, mesh), state.fp8_meta).compile(
-        compiler_options=CPU_COMPILER_OPTIONS)
+    assert counts.total == model_leaf_count(cfg.model)
+    flops = one_device_grad_step_matmul_flops(cfg)
     est = estimate(cfg, layout_from_config(cfg, 1), "cpu", flash=False)
     per = counts.per_layer
     norms = (per["norms"] + per.get("q_norm", 0) + per["kv_norm"]) * counts.num_layers \
         + counts.final_norm
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    assert hlo.matmul_flops(compiled) == pytest.approx(
+    assert flops == pytest.approx(
         est.model_flops_per_step_full_attn - 6 * norms * tokens, rel=1e-6)
     plain = estimate(_ledger_cfg(q_lora_rank), layout_from_config(cfg, 1), "cpu", flash=False)
     assert est.model_flops_per_step_full_attn == plain.model_flops_per_step_full_attn
