@@ -192,12 +192,15 @@ class PipelineModel:
         v = self.schedule.virtual_stages
         chunks = jax.tree.map(lambda a: a.reshape((p, v, -1) + a.shape[1:]), blocks)
         embed = params["embed"]
-        head = embed if cfg.model.tie_embeddings else params["lm_head"].T
         # selects, not a stack: each rank picks its row locally (XLA moved a stack's rows
         # between stages with all-to-alls)
         rank = lambda a: jnp.arange(p).reshape((p,) + (1,) * a.ndim)  # noqa: E731
-        table = jnp.where(rank(embed) == 0, embed[None],
-                          jnp.where(rank(embed) == p - 1, head[None], 0).astype(embed.dtype))
+        last = lambda a: jnp.where(rank(a) == p - 1, a[None], 0).astype(a.dtype)  # noqa: E731
+        # the lm_head's row transposed after the select, per rank: its transpose's gradient
+        # then sums over stage in the master's [D, V] layout (split over stage on V: a
+        # reduce-scatter; transposed before the select, XLA all-reduced the whole table)
+        head = last(embed) if cfg.model.tie_embeddings else last(params["lm_head"]).swapaxes(1, 2)
+        table = jnp.where(rank(embed) == 0, embed[None], head)
         norm = jax.tree.map(lambda a: jnp.where(rank(a) == p - 1, a[None], 0).astype(a.dtype),
                             params["final_norm"])
         spec = self.setup.compute_shardings["embed"].spec

@@ -165,14 +165,18 @@ def pp_bytes(cfg: Config, layout: Layout, seq_len: int, ex: Executor | None) -> 
 
 
 def vocab_bytes(cfg: Config, layout: Layout) -> float:
-    """Ring all-reduce over stage of the embedding/head gradients (fp32)."""
+    """The vocab tables and the final norm over stage, whose masters split over it
+    (parallel/sharding.stage_state_axis): their fp32 gradients reduce-scattered from the edge
+    rows to the masters' shards and the compute-dtype copy all-gathered once per step, ring
+    (p-1)/p each: 4 + 2 bytes a parameter where the all-reduce of replicated masters was 8."""
     p, t, m = layout.stage, layout.tensor, cfg.model
     if p == 1:
         return 0.0
     table = padded_vocab(m.vocab_size, t) * m.hidden_size / t
     tables = 1 if m.tie_embeddings else 2
     shard = layout.data * layout.context if layout.zero1 else 1
-    return 2.0 * (p - 1) / p * (tables * table + m.hidden_size) * 4 / shard
+    compute = 4 if m.compute_dtype == "float32" else 2
+    return (p - 1) / p * (tables * table + m.hidden_size) * (4 + compute) / shard
 
 
 class CpPass(NamedTuple):
