@@ -51,6 +51,7 @@ from flax import nnx
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain.executors import replica
 from jaxtrain.executors.contract import Sums
 from jaxtrain.executors.setup import Setup, split_microbatches
 from jaxtrain.ledger.layout import stage_layer_counts
@@ -105,6 +106,22 @@ class PipelineModel:
             return None if d is None else d + 2
         paths, structure = jax.tree_util.tree_flatten_with_path(chunks)
         return jax.tree.unflatten(structure, [dim(path) for path, _ in paths]), None
+
+    def taps(self, chunks):
+        """Per leaf of (chunks, modes): whether the B adds its gradient into the fp32
+        accumulator layer by layer (the executor's Fns.taps): the layers' parameters (not
+        their FP8 metas, not the modes), where replica.fuses fuses the unpipelined step;
+        else None (each B's chunk gradient is added after it)."""
+        if not replica.fuses(self.setup.cfg):
+            return None
+        params = {tuple(k.key for k in path) for path, _ in
+                  jax.tree_util.tree_flatten_with_path(self.setup.logical["blocks"],
+                                                       is_leaf=lambda x: isinstance(x, P))[0]}
+
+        def tapped(path):
+            return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)) in params
+        paths, structure = jax.tree_util.tree_flatten_with_path(chunks)
+        return jax.tree.unflatten(structure, [tapped(path) for path, _ in paths]), False
 
     def _with_stats(self, sums):
         """The head's LossSums, with the chunks' MoeStats (summed over every F) as its aux."""
@@ -211,7 +228,7 @@ class PipelineModel:
         mbs = split_microbatches(batch, self.schedule.microbatches, self.mesh)
         chunks, edge = self.split_params(params, metas)
         fns = pl.Fns(functools.partial(self.chunk_fn, mode=self.uniform_mode(use_fp8)),
-                     self.head_loss_fn, self.embed_fn)
+                     self.head_loss_fn, self.embed_fn, self.taps(chunks))
         args = (fns, (chunks, self.modes(use_fp8)), edge, {"inputs": mbs["inputs"]},
                 {k: mbs[k] for k in HEAD_AUX_KEYS}, {k: mbs[k] for k in CHUNK_AUX_KEYS})
         return args, metas
