@@ -31,7 +31,10 @@ stage > 1), bound by `Setup.bind`. How the model maps onto the executor:
 - head: final norm + lm_head + model/loss.py's token loss on (targets, loss_mask): the
   objective the schedule differentiates and the LossSums it adds up.
 
-The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once, after
+A B adds each layer's weight gradient into the rank's fp32 accumulator as its backward
+makes it (`taps`: the layer runner's grad_accumulation taps, where replica.fuses fuses the
+unpipelined step: dense stacks without context parallelism), so no chunk-sized bf16 gradient
+is held. The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once, after
 the loop: a reduce-scatter where ZeRO-1 shards them; the FP8 converter's rule for the metas'
 observations), mapped back to the params through split_params' transpose. Microbatches:
 setup.split_microbatches of the global batch on the mesh, [B, S] (sharded over data x fsdp)
@@ -108,10 +111,10 @@ class PipelineModel:
         return jax.tree.unflatten(structure, [dim(path) for path, _ in paths]), None
 
     def taps(self, chunks):
-        """Per leaf of (chunks, modes): whether the B adds its gradient into the fp32
-        accumulator layer by layer (the executor's Fns.taps): the layers' parameters (not
-        their FP8 metas, not the modes), where replica.fuses fuses the unpipelined step;
-        else None (each B's chunk gradient is added after it)."""
+        """The executor's Fns.taps for (chunks, modes), given the chunks' layer states: per
+        leaf, whether the B adds its gradient into the fp32 accumulator layer by layer (the
+        layers' parameters; not their FP8 metas, not the modes), where replica.fuses fuses
+        the unpipelined step; else None (each B's chunk gradient is added after it)."""
         if not replica.fuses(self.setup.cfg):
             return None
         params = {tuple(k.key for k in path) for path, _ in

@@ -32,11 +32,24 @@ long as the busiest rank. Branches taken by some ranks only hold no collective o
 lie within one stage, where every device takes the same branch.
 
 Buffers and switches. The stash, the inbox, the cotangent slots and the gradient accumulators
-are updated outside the switches: a value a switch takes is an operand of every branch, and
+are updated outside the switches (the fused accumulator aside, below): a value a switch
+takes is an operand of every branch, and
 XLA then copies a buffer that one branch updates in place (measured on the GPU compiler: the
 stash twice, the accumulators twice). So an F returns its residuals and a B its gradient
 contributions, and the step writes them. A B reads its stash slot inside its switch (read
 outside, the copy stayed alive beside the last stage's own residual set: one set more).
+
+Fused gradients (`Fns.taps`, the model's layer runner tapping its weights,
+parallel/grad_accumulation.py: Megatron's gradient_accumulation_fusion). The rank's
+accumulator of the tapped leaves is one [v·Lc, ...] fp32 buffer per leaf; a B's chunk
+program is differentiated w.r.t. it (not w.r.t. the weights), its cotangent is the
+accumulator itself, and the backward's layer scan adds each layer's gradient into row j·Lc + i
+in place: no chunk-sized compute-dtype gradient. This one accumulator is updated inside the B's
+switch, as its own carry (measured on the GPU compiler: not copied). What made XLA copy it:
+a forward whose layer loop carried it through, in the F's switch (the F's program now reads
+it not: its unused inputs are dropped) and in the last virtual stage's B (which runs the
+chunk program's forward and backward instead of one vjp). The untapped leaves (FP8 metas,
+layer modes) come out of the switch and add up as before.
 
 Gradients accumulate in fp32 per rank and per data replica and leave the shard_map stacked
 [replicas, p, ...] (P(data, stage)): the caller reduces the replica dim once, where the
