@@ -116,12 +116,11 @@ def test_small_pipelined_estimate_by_hand():
     assert (ex.steps, ex.stash_buffer, ex.buffers, ex.chunk_layers) == (6, 2, 4, 4)
     # Static: a rank computes with its 4 layers and its edge row (one vocab table and the
     # final norm: rank 0's embedding, rank 1's head); both tables' masters and Adam moments
-    # are on every rank (ZeRO-1 over data 2); one layer's bf16 gradient on its way into the
-    # accumulator (the B's taps).
+    # are on every rank (ZeRO-1 over data 2); the B's 4-layer chunk gradient in bf16.
     n_local, n_state = 4 * LAYER_LOCAL + TABLE_LOCAL + H, 4 * LAYER_LOCAL + 2 * TABLE_LOCAL + H
     assert est.params_local == n_local
     assert est.static_bytes == pytest.approx(n_local * (2 + 4) + n_state * 12 / 2
-                                             + LAYER_LOCAL * 2)
+                                             + 4 * LAYER_LOCAL * 2)
     # Activations: 2 stashed + 1 (the last stage's B) + 1 (in transit) sets of 4 layers'
     # residuals, and 4 chunk-input buffers (bf16, split over tensor).
     chunk_input = SBH * 2 / 2
@@ -168,28 +167,32 @@ def test_uneven_stages_pad_every_rank_to_the_largest_chunk():
     assert est.params_local == 5 * LAYER_LOCAL + TABLE_LOCAL + H
     assert est.inflight_layer_microbatches == 4 * 5
     # The per-layer switch that skips padding makes a B copy its chunk's weights (bf16),
-    # besides one layer's gradient, without full recompute; inside a checkpoint it does not.
+    # besides the chunk gradient, without full recompute; inside a checkpoint it does not.
     weights = 5 * LAYER_LOCAL * 2
-    assert est.static_breakdown["gradients"] == pytest.approx(LAYER_LOCAL * 2)
+    assert est.static_breakdown["gradients"] == pytest.approx(weights)
     assert est.static_breakdown["other"] == pytest.approx(weights)
     cfg.remat = RematConfig(granularity="full", method="uniform", num_layers=1)
     assert estimate(cfg).static_breakdown["other"] == 0
 
 
 def test_virtual_stages_slice_their_chunks():
-    """With virtual stages the chunk's layer loop takes its chunk sliced out of the rank's v
-    (a copy, one at a time); the B's weight gradients go into the accumulator layer by layer.
-    Where the B does not tap (as under context parallelism) it makes the chunk's gradient,
-    and the F's and B's slices are priced both."""
+    """With virtual stages the F and the B each copy their chunk out of the rank's v."""
     cfg = small(virtual_stages=2, schedule="interleaved_1f1b")
     est = estimate(cfg)
-    assert est.static_breakdown["gradients"] == pytest.approx(LAYER_LOCAL * 2)
-    assert est.static_breakdown["other"] == pytest.approx(2 * LAYER_LOCAL * 2)
-    chunk = 2 * LAYER_LOCAL * 2
-    unfused = memory.pipeline_static_bytes(
-        cfg, dataclasses.replace(est.layout, context=2), cfg.remat, est.stage_layers, 2)
-    assert unfused["gradients"] == pytest.approx(chunk)
-    assert unfused["other"] == pytest.approx(2 * chunk)
+    assert est.static_breakdown["gradients"] == pytest.approx(2 * LAYER_LOCAL * 2)
+    assert est.static_breakdown["other"] == pytest.approx(2 * 2 * LAYER_LOCAL * 2)
+
+
+def test_without_tensor_or_fsdp_the_b_taps_its_gradients():
+    """Without tensor and fsdp sharding (executors/pipeline.fuses) the B adds each layer's
+    weight gradient into the accumulator: one layer's bf16 gradient, not the chunk's, and of
+    the virtual stages' chunk slices one at a time."""
+    cfg = small(virtual_stages=2, schedule="interleaved_1f1b", tensor=1,
+                sequence_parallel=False, data=4)
+    layer = (2 * H * H + 3 * H * F + 2 * H * 512 + 2 * H) * 2
+    static = estimate(cfg).static_breakdown
+    assert static["gradients"] == pytest.approx(layer)
+    assert static["other"] == pytest.approx(2 * layer)
 
 
 def test_tied_embeddings_hold_one_table_and_reduce_one_gradient():

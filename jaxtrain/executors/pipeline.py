@@ -32,9 +32,8 @@ stage > 1), bound by `Setup.bind`. How the model maps onto the executor:
   objective the schedule differentiates and the LossSums it adds up.
 
 A B adds each layer's weight gradient into the rank's fp32 accumulator as its backward
-makes it (`taps`: the layer runner's grad_accumulation taps, where replica.fuses fuses the
-unpipelined step: dense stacks without context parallelism), so no chunk-sized bf16 gradient
-is held. The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once, after
+makes it (`taps`: the layer runner's grad_accumulation taps, where `fuses`: dense stacks
+without context, tensor or fsdp sharding), so no chunk-sized bf16 gradient is held. The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once, after
 the loop: a reduce-scatter where ZeRO-1 shards them; the FP8 converter's rule for the metas'
 observations), mapped back to the params through split_params' transpose. Microbatches:
 setup.split_microbatches of the global batch on the mesh, [B, S] (sharded over data x fsdp)
@@ -113,9 +112,9 @@ class PipelineModel:
     def taps(self, chunks):
         """The executor's Fns.taps for (chunks, modes), given the chunks' layer states: per
         leaf, whether the B adds its gradient into the fp32 accumulator layer by layer (the
-        layers' parameters; not their FP8 metas, not the modes), where replica.fuses fuses
-        the unpipelined step; else None (each B's chunk gradient is added after it)."""
-        if not replica.fuses(self.setup.cfg):
+        layers' parameters; not their FP8 metas, not the modes) where `fuses`; else None
+        (each B's chunk gradient is added after it)."""
+        if not fuses(self.setup.cfg):
             return None
         params = {tuple(k.key for k in path) for path, _ in
                   jax.tree_util.tree_flatten_with_path(self.setup.logical["blocks"],
@@ -258,6 +257,18 @@ class PipelineModel:
         return self._with_stats(pl.pipelined_forward(
             *args, schedule=self.schedule, mesh=self.mesh, bubble_fill=bubble_fill,
             expert_dims=self.expert_dims(args[1][0])))
+
+
+def fuses(cfg) -> bool:
+    """Whether a B adds each layer's weight gradient into the accumulator as its backward
+    makes it: where replica.fuses, and without tensor or fsdp sharding. With either (axes
+    left automatic inside the executor's switches) the GPU compiler copies the fused
+    accumulator in the B switch's pass-through branches, a whole fp32 accumulator more than
+    it saves (tiny bf16 step, 8 layers, stage 2 x tensor 2, v 2: 847.4 MiB fused, 730.8
+    unfused; the 70B recipe at 16 layers, TP8: 16.4 vs 13.1 GiB); cause not found yet.
+    ledger.memory prices the same choice."""
+    par = cfg.parallel
+    return replica.fuses(cfg) and par.tensor == 1 and par.fsdp == 1
 
 
 def build(setup: Setup) -> PipelineModel:

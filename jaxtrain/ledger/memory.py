@@ -380,8 +380,7 @@ def pipeline_static_bytes(cfg: Config, layout: Layout, remat: RematConfig,
     """A chunk's weights-sized temporaries of an F or B (compute dtype, the GPU compiler's
     buffer assignment), by static term. gradients: where the B adds each layer's weight
     gradient into the fp32 accumulator as its backward makes it (dense stacks without
-    context parallelism, executors/pipeline.PipelineModel.taps, as replica.fuses) one
-    layer's in flight, else the B's gradient of its whole chunk before it joins the
+    context, tensor or fsdp sharding: executors/pipeline.fuses) one layer's in flight, else the B's gradient of its whole chunk before it joins the
     accumulator. other: with virtual stages the chunk's slice out of the rank's v, which XLA
     materialises as the operand of the chunk's layer loop (a static index too; one at a
     time on the fused path: the F's and the B's are not live together; priced as two
@@ -389,7 +388,8 @@ def pipeline_static_bytes(cfg: Config, layout: Layout, remat: RematConfig,
     layer = (layer_params_local(cfg, layout.tensor, layout.expert, layout.expert_tensor)
              * DTYPE_BYTES[cfg.model.compute_dtype])
     weights = chunk_layers * layer
-    fused = layout.context == 1 and not any(cfg.model.moe_layers)
+    fused = (layout.context == 1 and layout.tensor == 1 and layout.fsdp == 1
+             and not any(cfg.model.moe_layers))
     slices = (1 if fused else 2) if layout.virtual_stages > 1 else 0
     return {"gradients": layer if fused else weights,
             "other": (weights * slices

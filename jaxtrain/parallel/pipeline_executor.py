@@ -74,7 +74,8 @@ from jaxtrain.ledger.pipeline_schedule import Schedule
 from jaxtrain.parallel import grad_accumulation
 from jaxtrain.parallel import pipeline_specs as specs
 from jaxtrain.parallel.mesh_axes import DATA, STAGE
-from jaxtrain.parallel.pipeline_stash import ChunkProgram, chunk_program, split_taps
+from jaxtrain.parallel import pipeline_taps
+from jaxtrain.parallel.pipeline_stash import ChunkProgram, chunk_program
 from jaxtrain.parallel.remat import opaque_zeros
 
 STAGE_AXIS, DATA_AXIS = STAGE, DATA
@@ -245,13 +246,13 @@ def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
                                              y, has_aux=True)
         d_edge, dy = head_pull(jnp.ones_like(objective))
         d_r, acc, dx = rk.program.backward(params, saved, dy, acc=c.d_acc)
-        d_params = _untapped(rk, d_r)
+        d_params = pipeline_taps.untapped(params, rk.taps, d_r)
     elif rk.taps is not None:
         slot = jnp.maximum(row["b_res"], 0)
         dy = c.cots[jnp.maximum(row["b_gslot"], 0)]
         d_r, acc, dx = rk.program.backward(params, [buf[slot] for buf in c.stash], dy,
                                            acc=c.d_acc)
-        d_params = _untapped(rk, d_r)
+        d_params = pipeline_taps.untapped(params, rk.taps, d_r)
     elif last:
         x_in = _first_input(fns, rk, k) if first else c.inbox[jnp.maximum(row["b_in"], 0)]
         caux = _take(rk.caux, k)
@@ -276,8 +277,8 @@ def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
 
 def _b_idle(rk: Rank, c: Carry, row) -> BOut:
     chunk = _take(rk.chunks, 0)
-    d_params = _zeros(chunk if rk.taps is None else _untapped(rk, split_taps(chunk,
-                                                                            rk.taps)[1]))
+    d_params = _zeros(chunk if rk.taps is None else pipeline_taps.untapped(
+        chunk, rk.taps, pipeline_taps.split_taps(chunk, rk.taps)[1]))
     return BOut(rk.fill_x, d_params, _zeros(rk.edge), rk.no_sums,
                 jnp.zeros((), jnp.float32), rk.no_side, c.d_acc)
 
@@ -291,21 +292,6 @@ def _chunk_acc(fns: Fns, params, acc, row0, x, aux):
         raise PipelineError("Fns.taps is set but the chunk's layer runner did not tap: run "
                             "the layers with grad_accumulation.accumulating, or leave taps None")
     return y, ctx.acc
-
-
-def _untapped(rk: Rank, leaves):
-    """The untapped leaves (in leaf order) as a chunk-structured tree, None where tapped."""
-    _, merge = _masks(rk)
-    return merge([None] * sum(rk.taps), leaves)
-
-
-def _masks(rk: Rank):
-    tree = jax.tree.structure(_take(rk.chunks, 0))
-
-    def merge(w, r):
-        w, r = iter(w), iter(r)
-        return jax.tree.unflatten(tree, [next(w) if t else next(r) for t in rk.taps])
-    return tree, merge
 
 
 def _switch_f(fns: Fns, rk: Rank, c: Carry, row, backward: bool):
@@ -411,29 +397,13 @@ def _init(rk: Rank, table, backward: bool, fill: float) -> Carry:
         cots, recv_g = buf(slots(table.grad_slots)), rk.fill_x
         d_chunk, d_edge = _fp32_zeros(rk.chunks), _fp32_zeros(rk.edge)
         if rk.taps is not None:
-            d_acc = _fp32_zeros(_acc_like(rk))
-            d_chunk = _fp32_zeros(_untapped(rk, split_taps(rk.chunks, rk.taps)[1]))
+            d_acc = _fp32_zeros(pipeline_taps.accumulator_rows(rk.chunks, rk.taps))
+            rest = pipeline_taps.split_taps(rk.chunks, rk.taps)[1]
+            d_chunk = _fp32_zeros(pipeline_taps.untapped(rk.chunks, rk.taps, rest))
     return Carry(inbox=buf(slots(table.inbox_slots)), stash=stash, cots=cots,
                  recv_x=rk.fill_x, recv_g=recv_g, sums=rk.no_sums, side=rk.no_side,
                  d_chunk=d_chunk, d_acc=d_acc,
                  d_edge=d_edge, held=zero, peak=zero)
-
-
-def _acc_like(rk: Rank):
-    """The rank's tapped leaves [v, Lc, ...] as accumulator rows [v*Lc, ...] (a local
-    reshape), chunk-structured with None where untapped."""
-    w = [a.reshape((-1,) + a.shape[2:]) for a in split_taps(rk.chunks, rk.taps)[0]]
-    return _masks(rk)[1](w, [None] * (len(rk.taps) - len(w)))
-
-
-def _gradients(rk: Rank, c: Carry):
-    """fp32 [v, ...] sums of every chunk leaf (fused: the accumulator's rows back as [v, Lc,
-    ...] beside the untapped sums)."""
-    if rk.taps is None:
-        return c.d_chunk
-    v = jax.tree.leaves(rk.chunks)[0].shape[0]
-    acc = [a.reshape((v, -1) + a.shape[1:]) for a in jax.tree.leaves(c.d_acc)]
-    return _masks(rk)[1](acc, jax.tree.leaves(c.d_chunk))
 
 
 def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: GradCombine,
@@ -455,7 +425,8 @@ def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: Gr
                                 "leave taps None")
         taps = tuple(bool(t) for t in jax.tree.leaves(fns.taps))
         rk = rk._replace(taps=taps, lc=jax.tree.leaves(chunks)[0].shape[1])
-        acc = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), _acc_like(rk))
+        acc = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32),
+                           pipeline_taps.accumulator_rows(chunks, taps))
         rk = rk._replace(program=chunk_program(
             fns.chunk, _take(chunks, 0), fill_x, _take(caux, 0),
             chunk_acc=functools.partial(_chunk_acc, fns), taps=taps, acc=acc))
@@ -472,7 +443,9 @@ def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: Gr
     if not backward:
         return sums, c.peak[None]
     stack = lambda tree: jax.tree.map(lambda a: a[None, None], tree)  # noqa: E731
-    return sums, stack(_gradients(rk, c)), stack(c.d_edge), c.peak[None]
+    d_chunk = (c.d_chunk if rk.taps is None else
+               pipeline_taps.gradients(rk.chunks, rk.taps, c.d_acc, c.d_chunk))
+    return sums, stack(d_chunk), stack(c.d_edge), c.peak[None]
 
 
 def execute(fns: Fns, chunk_params, edge, x, aux, caux, *, schedule: Schedule, mesh,

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import jax
 
 from jaxtrain import compat
+from jaxtrain.parallel.pipeline_taps import split_taps
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -92,17 +93,6 @@ class ChunkProgram:
         leaves = [next(saved) if s else next(derived) for s in self.is_saved]
         pullback = jax.tree_util.tree_unflatten(self.vjp_tree, leaves)
         return pullback(dy) if self.taps is None else pullback((dy, acc))
-
-
-def split_taps(params, taps) -> tuple:
-    """(tapped leaves, the others, merge(tapped, others) -> params) of a parameter tree."""
-    leaves, tree = jax.tree.flatten(params)
-
-    def merge(w, r):
-        w, r = iter(w), iter(r)
-        return jax.tree.unflatten(tree, [next(w) if t else next(r) for t in taps])
-    return ([a for a, t in zip(leaves, taps) if t], [a for a, t in zip(leaves, taps) if not t],
-            merge)
 
 
 def chunk_program(chunk: Callable, params, x, aux, side: bool = False, *,
