@@ -287,7 +287,8 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
     # the forward passes full recompute adds (the backward reuses what they gather)
     rerun = passes.forward - comm.layer_passes(L, stage_layers, ex).forward
     volumes = {"dp": comm.dp_bytes(L, n_state, n_expert),
-               "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
+               "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes,
+                                             comm.fsdp_gather_bytes(cfg, L, layer_local))
                + comm.fsdp_rest_bytes(cfg, L, seq),
                # re-run forwards' TP savings counted on the unpipelined step (the 128k
                # recipe: 6 all-gathers + 5 reduce-scatters per layer per microbatch); the
