@@ -3,9 +3,12 @@ layers, hidden 7168, 128 heads with MLA (q_lora_rank 1536, kv_lora_rank 512, qk_
 128 + qk_rope_head_dim 64, v_head_dim 128), 256 routed experts top-8 of moe_intermediate_size
 2048 + 1 shared, the first 3 layers dense (first_k_dense_replace, intermediate_size 18432),
 sigmoid scoring, n_group 8 / topk_group 4, routed_scaling_factor 2.5, norm_topk_prob, vocab
-129280, rms_norm_eps 1e-6, rope_theta 1e4 with rope_scaling yarn (factor 40, mscale_all_dim 1,
-original_max_position_embeddings 4096: here only YaRN's softmax-scale correction; the frequency
-interpolation is not implemented, see model.mla). The auxiliary-loss-free bias at rate 1e-3 and
+129280, rms_norm_eps 1e-6, rope_theta 1e4 with the released rope_scaling yarn (factor 40,
+original_max_position_embeddings 4096, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1:
+the rope part's frequencies interpolated for pairs turning fewer than 32 times in 4096
+tokens, the softmax scale times 1.874 = 1.369², cos/sin unscaled; model.mla). The released config's
+max_position_embeddings is 163840 (40 x 4096); max_seq_len here is the training sequence,
+which HF reads as the same rope. The auxiliary-loss-free bias at rate 1e-3 and
 the sequence-wise balance loss at 1e-4 as the technical report (arXiv 2412.19437) trains it.
 Multi-token prediction (num_nextn_predict_layers 1, loss factor 0.3 then 0.1) is off here:
 jaxtrain runs it only without pipeline stages yet (deepseek_v3_16b runs it); on the pipeline it
@@ -35,7 +38,7 @@ even share dropped) the layout fits: 11-19% MFU at 45.3 of 72 GiB. At expert 8 i
 11-20% MFU at 57.5 of 72 GiB. Its all-to-all moves 2658.5 GB per device per step over the NIC
 (32 expert ranks x tensor 2 span 8 nodes): 53 s of a 8.3 s ideal step, which caps the MFU;
 DeepSeek's node-limited routing, which bounds that traffic, is not modelled. The planner's own
-pick: tensor 4, stage 16, expert 8 folded, remat full(uniform,1), 28-45% MFU at 64.4 of 72 GiB.
+pick: tensor 4, stage 16, expert 8 folded, remat full(uniform,1), 29-45% MFU at 64.4 of 72 GiB.
 """
 from jaxtrain.config import Config, MlaConfig, ModelConfig, MoeConfig, TrainConfig
 
@@ -48,7 +51,8 @@ def get_config() -> Config:
             compute_dtype="bfloat16",
             mla=MlaConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                           qk_rope_head_dim=64, v_head_dim=128, yarn_factor=40.0,
-                          mscale_all_dim=1.0),
+                          yarn_original_max_position=4096, yarn_beta_fast=32.0,
+                          yarn_beta_slow=1.0, yarn_mscale=1.0, mscale_all_dim=1.0),
             moe=MoeConfig(num_experts=256, top_k=8, mlp_size=2048, shared_experts=1,
                           first_k_dense=3, score_function="sigmoid", norm_topk_prob=True,
                           routed_scaling_factor=2.5, n_group=8, topk_group=4,

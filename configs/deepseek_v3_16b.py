@@ -4,7 +4,8 @@ the q low-rank path, kv_lora_rank 512, heads of 128 + 64 RoPE dims and v 128, 64
 top-6 of 1408 + 2 shared, the first layer dense of 10944, vocab 102400) with DeepSeek-V3's
 router (Moonlight-16B-A3B's choice too): sigmoid scores, group-limited over 8 groups (a token's
 experts from its best 4), routed_scaling_factor 2.5, the auxiliary-loss-free bias at 1e-3 and
-the sequence-wise loss at 1e-4. Multi-token prediction as DeepSeek-V3's: one module, its loss
+the sequence-wise loss at 1e-4. Plain RoPE (no YaRN: DeepSeek-V3 pretrained at 4K without it and
+extended the context after). Multi-token prediction as DeepSeek-V3's: one module, its loss
 factor 0.3, then 0.1 for the last third of the steps (DeepSeek-V3: after 10T of 14.8T tokens).
 
 On 16 H100s: tensor 1, expert 8 carved out of data 16, ZeRO-1, 32 microbatches of one 4096-token
@@ -15,7 +16,7 @@ tensor 4, stage 1, expert 1, remat none, 38-62% MFU at 59.3 of 72 GiB.
 """
 import dataclasses
 
-from jaxtrain.config import Config, MtpConfig, ParallelConfig, RematConfig
+from jaxtrain.config import Config, MlaConfig, MtpConfig, ParallelConfig, RematConfig
 
 from . import deepseek_v3
 
@@ -26,7 +27,8 @@ def get_config() -> Config:
     cfg.model = dataclasses.replace(
         m, vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16, num_kv_heads=16,
         mlp_size=10944,
-        mla=dataclasses.replace(m.mla, q_lora_rank=0, yarn_factor=1.0, mscale_all_dim=0.0),
+        mla=MlaConfig(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128),   # plain RoPE: no YaRN
         moe=dataclasses.replace(m.moe, num_experts=64, top_k=6, mlp_size=1408,
                                 shared_experts=2, first_k_dense=1),
         mtp=MtpConfig(num_layers=1, loss_scaling_factor=0.3,

@@ -5,7 +5,7 @@ Layout: tensor 2 with sequence parallelism, context 4 (ring attention, causal lo
 balancing), data fills the rest (1 on 8 GPUs, 2 on 16) with the distributed optimizer over
 data x context, full recompute; 64 sequences of 131072 tokens per step (8.4 M tokens) in 32
 microbatches. `python -m jaxtrain.plan --config configs/llama3_8b_128k.py --devices 8 --gpu
-h100` rates it 37-52% MFU at 65 of 72 GiB per device (micro-batch 2), on 16 devices 37-52% at
+h100` rates it 38-53% MFU at 65 of 72 GiB per device (micro-batch 2), on 16 devices 38-53% at
 49 GiB (micro-batch 1; the planner's own pick there, tensor 4 x context 4 without recompute,
 rates 47-67%). Without context parallelism only pipelines fit one node. Chosen by the
 ledger, not yet measured on GPUs; `python train.py --config configs/llama3_8b_128k.py

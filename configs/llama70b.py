@@ -6,7 +6,7 @@ microbatches of one sequence, no recompute. The ledger's pick (`python -m jaxtra
 --config configs/llama70b.py --devices 1024 --gpu h100`): 37-61% MFU at 58.6 of 72 GiB, of
 which 23.6 GiB are the pipeline's stashed activations (each F keeps its chunk's residuals for
 its B, Megatron's schedule without recompute: rank 0 holds 16 chunk-microbatches). Full
-recompute would need 1.7 GiB of them but runs every layer's forward again (28-46%). Chosen by
+recompute would need 1.7 GiB of them but runs every layer's forward again (30-49%). Chosen by
 the ledger and checked on the GPU compiler (tests/test_gpu_compile.py), not yet run on GPUs.
 """
 from . import llama3_base

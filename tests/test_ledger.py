@@ -76,9 +76,11 @@ def test_hfu_flops_follow_remat():
     assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s) == base + 32 * 2 * 4096 * s
     assert ledger.hfu_flops_per_token(cfg, sel, seq_len=s, causal=False) == \
         base + 6 * 32 * 4096 * s + 32 * 4 * 4096 * s
-    # Block: the first 2 layers of each of 4 stages x 2 chunks are recomputed; the pipeline
-    # executor adds nothing (each B applies the pullback its F stashed).
-    layer_fwd = 2 * layer + 2 * 4096 * s
+    # Block: the first 2 layers of each of 4 stages x 2 chunks are recomputed, each its own
+    # checkpoint, whose re-run drops the down projection (2·F·h: its output feeds nothing the
+    # backward needs); the pipeline executor adds nothing (each B applies the pullback its F
+    # stashed).
+    layer_fwd = 2 * layer + 2 * 4096 * s - 2 * 14336 * 4096
     assert ledger.hfu_flops_per_token(cfg, block, (8, 8, 8, 8), 2, s) == \
         base + 16 * layer_fwd
     assert ledger.hfu_flops_per_token(cfg, none, (8, 8, 8, 8), 2, s) == base

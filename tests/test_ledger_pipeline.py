@@ -152,10 +152,14 @@ def test_remat_recompute_is_the_only_one():
     cfg = small()
     cfg.remat = RematConfig(granularity="full", method="uniform", num_layers=1)
     est = estimate(cfg)
-    layer_fwd = 2 * LAYER + 2 * H * S  # causal attention: half of 4·H·S
+    # causal attention: half of 4·H·S; a one-layer checkpoint's re-run drops the down
+    # projection (its output feeds nothing the backward needs)
+    layer_fwd = 2 * LAYER + 2 * H * S - 2 * F * H
     assert est.hfu_flops_per_token == pytest.approx(
         ledger.model_flops_per_token(cfg) + LAYERS * layer_fwd)
-    assert est.lockstep_bubble == pytest.approx((4 + 3 * 5) / (4 * 4) - 1)
+    # B over F: 2 + the re-run forward (a whole forward less the dropped down projection)
+    b = 2 + layer_fwd / (2 * LAYER + 2 * H * S)
+    assert est.lockstep_bubble == pytest.approx((4 + b * 5) / (4 * (1 + b)) - 1)
     assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * (4 * (4 + 4) + 6 * 4)
 
 
@@ -198,7 +202,7 @@ def test_hfu_from_the_config_counts_the_remat_only():
     cfg = small()
     assert flops.hfu_flops_per_token(cfg) == ledger.model_flops_per_token(cfg)
     cfg.remat = RematConfig(granularity="full", method="block", num_layers=1)
-    layer_fwd = 2 * LAYER + 2 * H * S
+    layer_fwd = 2 * LAYER + 2 * H * S - 2 * F * H   # less the dropped down projection
     # block:1 recomputes the first layer of each of the 2 stages' chunks
     assert flops.hfu_flops_per_token(cfg) == pytest.approx(
         ledger.model_flops_per_token(cfg) + 2 * layer_fwd)

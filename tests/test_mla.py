@@ -16,7 +16,8 @@ from jaxtrain.config import ConfigError, MlaConfig, ModelConfig, load_config
 from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import mla
-from util import logged_losses, train_on_one_device
+from util import logged_losses, model_leaf_count, one_device_grad_step_matmul_flops, \
+    train_on_one_device
 
 F32 = jnp.float32
 H, D, NOPE, ROPE, VDIM, KV_RANK, Q_RANK = 4, 32, 8, 4, 6, 12, 10
@@ -34,12 +35,17 @@ def _rms(x, scale, eps=1e-5):
     return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
 
 
-def _rope(x, pos):
-    """Rotate-half RoPE over x's last dim, written out from the frequencies."""
+def _rope(x, pos, cfg):
+    """Rotate-half RoPE over x's last dim, written out from the frequencies: plain, or YaRN's
+    (rope_frequencies, checked against transformers' in test_hf_deepseek) with cos/sin times
+    its attention factor."""
     half = x.shape[-1] // 2
     inv = 1.0 / (10000.0 ** (np.arange(0, 2 * half, 2) / (2 * half)))
+    if cfg.mla.yarn:
+        inv = model_lib.rope_frequencies(cfg)
     ang = pos[:, None] * inv[None]                       # [S, half]
-    cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+    factor = cfg.mla.attention_factor
+    cos, sin = factor * jnp.cos(ang)[None, :, None], factor * jnp.sin(ang)[None, :, None]
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
@@ -58,8 +64,8 @@ def _reference(p, x, seg, cfg):
     latent, k_pe = kv[..., :a.kv_lora_rank], kv[..., a.kv_lora_rank:]
     kvb = jnp.einsum("bsc,chg->bshg", _rms(latent, p["kv_norm"]["scale"]), p["wkv_b"]["kernel"])
     k_nope, v = kvb[..., :NOPE], kvb[..., NOPE:]
-    q = jnp.concatenate([q[..., :NOPE], _rope(q[..., NOPE:], pos)], -1)
-    k_pe = _rope(k_pe[:, :, None, :], pos)
+    q = jnp.concatenate([q[..., :NOPE], _rope(q[..., NOPE:], pos, cfg)], -1)
+    k_pe = _rope(k_pe[:, :, None, :], pos, cfg)
     k = jnp.concatenate([k_nope, jnp.repeat(k_pe, H, axis=2)], -1)
     scale = (NOPE + ROPE) ** -0.5 * a.softmax_mscale
     scores = jnp.einsum("bshe,bthe->bhst", q, k) * scale
@@ -92,11 +98,21 @@ def _inputs(b=2, s=16):
     return x, seg
 
 
+# YaRN over a 4-dim rope part trained at 4 positions (the test's 16 reach past it), a ramp
+# that keeps pair 0 and interpolates pair 1, an attention factor != 1 (mscale 0.7 / 1)
+YARN = dict(yarn_factor=4.0, yarn_original_max_position=4, yarn_beta_fast=0.2,
+            yarn_beta_slow=0.05, yarn_mscale=0.7, mscale_all_dim=1.0)
+
+
 @pytest.mark.parametrize("q_lora_rank,yarn", [(0, False), (Q_RANK, False), (Q_RANK, True)],
-                         ids=["plain_q", "q_lora", "q_lora_yarn_mscale"])
+                         ids=["plain_q", "q_lora", "q_lora_yarn"])
 def test_mla_output_and_gradients_equal_the_explicit_reference(q_lora_rank, yarn):
-    cfg = _cfg(q_lora_rank, **(dict(yarn_factor=40.0, mscale_all_dim=1.0) if yarn else {}))
-    assert (cfg.mla.softmax_mscale != 1.0) == yarn
+    cfg = _cfg(q_lora_rank, **(YARN if yarn else {}))
+    assert (cfg.mla.softmax_mscale != 1.0) == (cfg.mla.attention_factor != 1.0) == yarn
+    if yarn:   # one pair kept, one interpolated
+        plain = model_lib.rope_frequencies(_cfg(q_lora_rank))
+        np.testing.assert_allclose(model_lib.rope_frequencies(cfg), plain / [1.0, 4.0],
+                                   rtol=1e-6)
     graphdef, state, params = _module(cfg)
     x, seg = _inputs()
     ours = lambda p, x: _apply(graphdef, state, p, x, seg, cfg)   # noqa: E731
@@ -139,6 +155,13 @@ def test_mla_weights_shard_heads_over_tensor_and_keep_latents_whole():
     (("--model.mla.qk_rope_head_dim=5",), "qk_rope_head_dim=5 must be even"),
     (("--model.mla.v_head_dim=0",), "v_head_dim=0 must be positive"),
     (("--fp8.enabled=true",), "no FP8 path"),
+    (("--model.mla.yarn_factor=0.5",), "yarn_factor=0.5 must be >= 1"),
+    (("--model.mla.yarn_factor=40",), "needs model.mla.yarn_original_max_position"),
+    (("--model.mla.yarn_factor=40", "--model.mla.yarn_original_max_position=4096",
+      "--model.mla.yarn_beta_fast=1"), "beta_fast > beta_slow > 0"),
+    (("--model.mla.yarn_factor=40", "--model.mla.yarn_original_max_position=4096",
+      "--model.rope_scaling.factor=8"), "both rescale the rope frequencies"),
+    (("--model.mla.mscale_all_dim=-1",), "mscale_all_dim=-1.0 and yarn_mscale=0.0 must be >= 0"),
 ])
 def test_inconsistent_mla_configs_fail_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
@@ -194,40 +217,34 @@ def test_mla_tensor2_trains_as_one_device(tmp_path):
 
 # ----------------------------------------------------------------------------- ledger
 
-def _ledger_cfg(q_lora_rank, b=2, s=64):
+def _ledger_cfg(q_lora_rank, b=2, s=64, yarn=False):
     from jaxtrain.config import Config, TrainConfig
-    return Config(model=dataclasses.replace(_cfg(q_lora_rank), num_layers=1, max_seq_len=s),
+    return Config(model=dataclasses.replace(_cfg(q_lora_rank, **(YARN if yarn else {})),
+                                            num_layers=1, max_seq_len=s),
                   train=TrainConfig(global_batch=b, seq_len=s)).validate()
 
 
-@pytest.mark.parametrize("q_lora_rank", [0, Q_RANK], ids=["plain_q", "q_lora"])
-def test_ledger_counts_mla_params_and_the_compiled_matmul_flops(q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank,yarn", [(0, False), (Q_RANK, False), (Q_RANK, True)],
+                         ids=["plain_q", "q_lora", "q_lora_yarn"])
+def test_ledger_counts_mla_params_and_the_compiled_matmul_flops(q_lora_rank, yarn):
     """The ledger's parameters are the model's; 6N + 12·L·H·(E+F)/2·s (full square) is every
-    matmul FLOP XLA compiles for the gradient step, less the norm weights 6N counts."""
-    from jaxtrain import step
-    from jaxtrain.executors import setup as setup_lib
+    matmul FLOP XLA compiles for the gradient step, less the norm weights 6N counts. YaRN
+    changes the rope tables only: the same FLOPs as without it, compiled and in the ledger."""
     from jaxtrain.ledger import estimate, layout_from_config, param_counts
-    from jaxtrain.parallel import sharding
-    from jaxtrain.tools import hlo
-    from jaxtrain.tools.compile_step import CPU_COMPILER_OPTIONS, abstract_batch
-    cfg = _ledger_cfg(q_lora_rank)
+    cfg = _ledger_cfg(q_lora_rank, yarn=yarn)
     counts = param_counts(cfg.model)
-    model_state = nnx.state(nnx.eval_shape(lambda: model_lib.Llama(cfg.model,
-                                                                   rngs=nnx.Rngs(0))))
-    assert counts.total == sum(x.size for x in jax.tree.leaves(model_state))
-    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
-    setup = setup_lib.build(cfg, mesh)
-    state = setup.abstract_train_state
-    compiled = step.make_grad_step(setup).lower(
-        state.params, abstract_batch(cfg, mesh), state.fp8_meta).compile(
-        compiler_options=CPU_COMPILER_OPTIONS)
+    assert counts.total == model_leaf_count(cfg.model)
+    flops = one_device_grad_step_matmul_flops(cfg)
     est = estimate(cfg, layout_from_config(cfg, 1), "cpu", flash=False)
     per = counts.per_layer
     norms = (per["norms"] + per.get("q_norm", 0) + per["kv_norm"]) * counts.num_layers \
         + counts.final_norm
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    assert hlo.matmul_flops(compiled) == pytest.approx(
+    assert flops == pytest.approx(
         est.model_flops_per_step_full_attn - 6 * norms * tokens, rel=1e-6)
+    plain = estimate(_ledger_cfg(q_lora_rank), layout_from_config(cfg, 1), "cpu", flash=False)
+    assert est.model_flops_per_step_full_attn == plain.model_flops_per_step_full_attn
+    assert est.hfu_flops_per_step_full_attn == plain.hfu_flops_per_step_full_attn
 
 
 def test_ledger_mla_width_recompute_and_tensor_split():

@@ -17,7 +17,8 @@ from jaxtrain.executors.contract import model_loss
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import mtp
 from jaxtrain.parallel import sharding
-from util import logged_losses, metric_records, random_batch, random_params, tiny_config, \
+from util import logged_losses, metric_records, model_leaf_count, \
+    one_device_grad_step_matmul_flops, random_batch, random_params, tiny_config, \
     train_on_one_device
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -245,25 +246,17 @@ def test_ledger_counts_mtp_params_and_the_compiled_matmul_flops():
     FLOPs are every matmul FLOP XLA compiles for the gradient step (the MTP blocks, eh_proj
     and the head once more per module), less the norm weights 6N counts."""
     from jaxtrain.ledger import estimate, layout_from_config, param_counts
-    from jaxtrain.tools import hlo
-    from jaxtrain.tools.compile_step import CPU_COMPILER_OPTIONS, abstract_batch
     cfg = tiny_config(*MTP2, "--model.num_layers=1", "--train.global_batch=2",
                       "--train.seq_len=32")
     counts = param_counts(cfg.model)
-    shapes = nnx.state(nnx.eval_shape(lambda: model_lib.Llama(cfg.model, rngs=nnx.Rngs(0))))
-    assert counts.total == sum(x.size for x in jax.tree.leaves(shapes))
-    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
-    setup = setup_lib.build(cfg, mesh)
-    state = setup.abstract_train_state
-    compiled = step.make_grad_step(setup).lower(
-        state.params, abstract_batch(cfg, mesh), state.fp8_meta).compile(
-        compiler_options=CPU_COMPILER_OPTIONS)
+    assert counts.total == model_leaf_count(cfg.model)
+    flops = one_device_grad_step_matmul_flops(cfg)
     est = estimate(cfg, layout_from_config(cfg, 1), "cpu", flash=False)
     h = cfg.model.hidden_size
     norms = (counts.per_layer["norms"] * (counts.num_layers + 2) + counts.final_norm
              + 2 * 3 * h)
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    assert hlo.matmul_flops(compiled) == pytest.approx(
+    assert flops == pytest.approx(
         est.model_flops_per_step_full_attn - 6 * norms * tokens, rel=1e-6)
     plain = dataclasses.replace(cfg.model, mtp=MtpConfig(num_layers=0))
     assert counts.total - param_counts(plain).total == 2 * (

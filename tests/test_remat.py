@@ -122,6 +122,25 @@ def test_recompute_flops_overheads(one_device):
     assert ratio["dots_saveable"] == 1.0  # every matmul output is saved
 
 
+@pytest.mark.parametrize("policy", ["uniform:1", "uniform:2", "block:1", "block:4"])
+def test_full_recompute_flops_are_the_ledgers(one_device, policy):
+    """The ledger's full-recompute FLOPs are the compiled program's re-run matmuls: a forward
+    of each recomputed layer, less the down projection where each layer is its own checkpoint
+    (uniform:1, block: its output feeds nothing the backward needs); uniform:2 scans two
+    layers in one checkpoint and re-runs every down projection. The ledger counts the norm
+    weights as parameters (2 FLOPs each per token per recomputed layer), XLA does not; XLA's
+    attention core computes the full s x s square (causal=False)."""
+    from jaxtrain import ledger
+    from jaxtrain.ledger.flops import recomputed_layers
+    flops = {p: v[3] for p, v in one_device[0].items()}
+    cfg = _cfg(policy)
+    tokens, m = 2 * 128, cfg.model
+    n = recomputed_layers(cfg.remat, (m.num_layers,))
+    norms = 2 * ledger.param_counts(m).per_layer["norms"] * n * tokens
+    want = ledger.recompute_flops_per_token(cfg, causal=False) * tokens - norms
+    assert flops[policy] - flops["none"] == pytest.approx(want, rel=1e-9)
+
+
 def test_selective_recomputes_exactly_the_matmuls_megatron_names(one_device):
     flops = {p: v[3] for p, v in one_device[0].items()}
     m = _cfg().model

@@ -96,6 +96,24 @@ def test_recomputed_matmuls_are_the_ledgers(compiled):
     assert flops["selective:core_attn,moe"] > base   # the test can fail
 
 
+def test_full_recompute_re_runs_the_ledgers_matmuls(compiled):
+    """block:1's extra matmul FLOPs are the ledger's full recompute: every MoE layer's forward
+    but the shared experts' down projection (a one-layer checkpoint's output feeds nothing the
+    backward needs; the routed experts' outputs do, for the combine's weight gradient). The
+    ledger counts the norm weights as parameters (2 FLOPs each per token), XLA does not; XLA's
+    attention core computes the full square (causal=False)."""
+    flops = {p: v[3] for p, v in compiled.items()}
+    cfg = Config(model=MODEL, train=TrainConfig(seq_len=S, global_batch=B))
+    counts = ledger.param_counts(MODEL)
+    norms = 2 * counts.per_layer["norms"] * MODEL.num_layers * B * S
+    want = ledger.recompute_flops_per_token(cfg, remat.parse("block:1"), causal=False) * B * S \
+        - norms
+    # measured 0.42% above: the routing's small matmuls re-run too, outside model FLOPs
+    assert flops["block:1"] - flops["none"] == pytest.approx(want, rel=5e-3)
+    shared_down = 2 * MODEL.moe.shared_mlp_size * MODEL.hidden_size * B * S * MODEL.num_layers
+    assert shared_down > 10 * 5e-3 * want   # the dropped projection is not lost in the tolerance
+
+
 def test_what_each_module_stops_saving_orders_the_temporaries(compiled):
     temp = {p: v[2] for p, v in compiled.items()}
     assert temp["none"] > temp["selective:core_attn"]

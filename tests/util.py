@@ -129,3 +129,27 @@ def bpe_tokenizer(path: pathlib.Path, docs, vocab_size: int = 384) -> pathlib.Pa
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.save(str(path))
     return path
+
+
+def one_device_grad_step_matmul_flops(cfg: Config) -> float:
+    """Every matmul FLOP XLA:CPU compiles for `cfg`'s gradient step on one device (what a
+    ledger's model FLOPs are held to)."""
+    from jaxtrain import step
+    from jaxtrain.executors import setup as setup_lib
+    from jaxtrain.parallel import sharding
+    from jaxtrain.tools import hlo
+    from jaxtrain.tools.compile_step import CPU_COMPILER_OPTIONS, abstract_batch
+    mesh = sharding.make_mesh(cfg.parallel, jax.devices()[:1])
+    setup = setup_lib.build(cfg, mesh)
+    state = setup.abstract_train_state
+    compiled = step.make_grad_step(setup).lower(
+        state.params, abstract_batch(cfg, mesh), state.fp8_meta).compile(
+        compiler_options=CPU_COMPILER_OPTIONS)
+    return hlo.matmul_flops(compiled)
+
+
+def model_leaf_count(cfg: ModelConfig) -> int:
+    """How many parameters the model's leaves hold (what the ledger's count must equal)."""
+    from jaxtrain.model import llama
+    shapes = nnx.state(nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0))))
+    return sum(x.size for x in jax.tree.leaves(shapes))

@@ -204,8 +204,20 @@ def check_mla(m: ModelConfig, fp8_enabled: bool = False,
     _check(not m.head_dim or m.head_dim == a.qk_head_dim, f"model.head_dim={m.head_dim} with "
            f"model.mla: the q/k head size is qk_nope_head_dim + qk_rope_head_dim = "
            f"{a.qk_head_dim}; set model.head_dim=0 (or {a.qk_head_dim})", error)
-    _check(a.yarn_factor > 0 and a.mscale_all_dim >= 0, f"model.mla.yarn_factor="
-           f"{a.yarn_factor} must be > 0 and mscale_all_dim={a.mscale_all_dim} >= 0", error)
+    _check(a.yarn_factor >= 1, f"model.mla.yarn_factor={a.yarn_factor} must be >= 1 (1: no "
+           "YaRN; DeepSeek-V3: 40)", error)
+    _check(a.mscale_all_dim >= 0 and a.yarn_mscale >= 0, f"model.mla.mscale_all_dim="
+           f"{a.mscale_all_dim} and yarn_mscale={a.yarn_mscale} must be >= 0 (0: unset)", error)
+    if a.yarn:
+        _check(a.yarn_original_max_position > 0, f"model.mla.yarn_factor={a.yarn_factor} needs "
+               f"model.mla.yarn_original_max_position, the context the rope was trained at "
+               f"(HF original_max_position_embeddings; DeepSeek-V3: 4096); it is "
+               f"{a.yarn_original_max_position}", error)
+        _check(a.yarn_beta_fast > a.yarn_beta_slow > 0, f"model.mla.yarn_beta_fast="
+               f"{a.yarn_beta_fast} and yarn_beta_slow={a.yarn_beta_slow}: YaRN's ramp needs "
+               "beta_fast > beta_slow > 0 (DeepSeek-V3: 32 and 1)", error)
+        _check(m.rope_scaling is None, "model.rope_scaling (Llama 3.1's) with model.mla."
+               "yarn_factor > 1: both rescale the rope frequencies; unset one of them", error)
     _check(not fp8_enabled, "fp8.enabled=true with model.mla: the latent projections have no "
            "FP8 path yet; turn fp8 off for MLA models", error)
 

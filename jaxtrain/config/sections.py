@@ -100,10 +100,17 @@ class MlaConfig(_Section):
     qk_nope_head_dim: int = 32     # the part of q/k without RoPE
     qk_rope_head_dim: int = 16     # the RoPE part; its key is one head shared by all heads
     v_head_dim: int = 32           # may differ from the q/k head size (nope + rope)
-    # YaRN's softmax-scale correction (HF yarn_get_mscale(factor, mscale_all_dim)**2): applied
-    # when mscale_all_dim > 0 and yarn_factor > 1. YaRN's frequency interpolation itself is
-    # not implemented (the rope part uses model.rope_theta / model.rope_scaling).
+    # YaRN (arXiv 2309.00071, HF rope_type "yarn"; model/rope.py), on when yarn_factor > 1: the
+    # rope part's frequencies blend interpolated (/ yarn_factor) and original ones over the
+    # dims between yarn_beta_fast and yarn_beta_slow rotations in yarn_original_max_position
+    # tokens, cos/sin are scaled by attention_factor, and the softmax scale by mscale² from
+    # mscale_all_dim. HF's names: factor, original_max_position_embeddings, beta_fast,
+    # beta_slow, mscale (0: absent), mscale_all_dim. DeepSeek-V3: 40, 4096, 32, 1, 1, 1.
     yarn_factor: float = 1.0
+    yarn_original_max_position: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0
     mscale_all_dim: float = 0.0
 
     @property
@@ -111,12 +118,33 @@ class MlaConfig(_Section):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def yarn(self) -> bool:
+        return self.yarn_factor > 1.0
+
+    @property
     def softmax_mscale(self) -> float:
-        """The factor on 1/sqrt(qk_head_dim) (1 without YaRN's correction)."""
-        if self.mscale_all_dim <= 0 or self.yarn_factor <= 1:
+        """The factor on 1/sqrt(qk_head_dim): YaRN's mscale(factor, mscale_all_dim)², 1 without
+        YaRN or with mscale_all_dim 0 (HF DeepseekV3's yarn_apply_mscale)."""
+        if not self.yarn or self.mscale_all_dim <= 0:
             return 1.0
-        m = 0.1 * self.mscale_all_dim * math.log(self.yarn_factor) + 1.0
-        return m * m
+        return _yarn_mscale(self.yarn_factor, self.mscale_all_dim) ** 2
+
+    @property
+    def attention_factor(self) -> float:
+        """YaRN's scale on the rope part's cos/sin (so on q_rope and k_rope each), HF's rule:
+        mscale(factor, yarn_mscale) / mscale(factor, mscale_all_dim) when both are set, else
+        mscale(factor, 1). DeepSeek-V3's 1/1 gives 1: its correction is the softmax scale."""
+        if not self.yarn:
+            return 1.0
+        if self.yarn_mscale and self.mscale_all_dim:
+            return (_yarn_mscale(self.yarn_factor, self.yarn_mscale)
+                    / _yarn_mscale(self.yarn_factor, self.mscale_all_dim))
+        return _yarn_mscale(self.yarn_factor, 1.0)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature 0.1·mscale·ln(factor) + 1 (1 at factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass

@@ -34,7 +34,7 @@ def model_loss(output, mb) -> tuple[jax.Array, LossSums]:
     the gradients through moe.attach_loss."""
     logits, *rest = output if isinstance(output, tuple) else (output,)
     objective, sums = loss_lib.token_loss(logits, mb["targets"], mb["loss_mask"])
-    aux = {}
+    aux = dict(sums.aux)   # what the token loss itself reports stays beside the layers'
     for part in rest:
         if isinstance(part, moe.MoeStats):
             aux.update(moe.means(part, sums.tokens))

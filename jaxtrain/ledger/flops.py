@@ -216,7 +216,8 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
                               causal: bool = True) -> float:
     """Extra forward FLOPs per token that the remat config re-runs in the backward pass.
 
-    Full: one forward of each recomputed layer, 2·(layer params) + 4·(H·E)·s. Selective: the
+    Full: one forward of each recomputed layer, 2·(layer params) + 4·(H·E)·s, less the last
+    projection a one-layer checkpoint drops (_dead_last_matmul_flops). Selective: the
     forward of each listed module in every layer ("core_attn": the score/softmax/PV part).
     """
     remat = remat or cfg.remat
@@ -231,8 +232,17 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
         # each MTP block is checkpointed whole (remat.single_layer_runner); eh_proj is not
         mtp_block = (2.0 * sum(counts.per_layer.values()) + 4.0 * latent.attention_width(m)
                      * seq_len * _attention_fraction(causal))
-        return (n * layer_forward_flops_per_token(m, seq_len, causal=causal)
-                + m.mtp_depths * mtp_block)
+        dense_down, moe_down = _dead_last_matmul_flops(m)
+        if remat.method == "block" or remat.num_layers == 1:
+            # one layer per checkpoint: its last projection's output feeds nothing the
+            # backward needs, so XLA drops it from the re-run (uniform:N>1 scans N layers
+            # in one checkpoint, whose body's down projection feeds the next layer)
+            share = counts.moe_layers / max(counts.num_layers, 1)
+            n_dropped = n * ((1.0 - share) * dense_down + share * moe_down)
+        else:
+            n_dropped = 0.0
+        return (n * layer_forward_flops_per_token(m, seq_len, causal=causal) - n_dropped
+                + m.mtp_depths * (mtp_block - dense_down))
     dense, moe = _module_flops(m, seq_len, causal, expert_rows_per_token(m))
     unknown = [x for x in remat.modules if x not in dense]
     if unknown:
@@ -240,6 +250,14 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
     return sum(n * sum(table[x] for x in set(remat.modules))
                for n, table in ((counts.dense_layers + m.mtp_depths, dense),
                                 (counts.moe_layers, moe)))
+
+
+def _dead_last_matmul_flops(m: ModelConfig) -> tuple[float, float]:
+    """Forward FLOPs per token of the projection a one-layer checkpoint's re-run drops, for a
+    dense and for an MoE layer: the dense MLP's down projection (2·F·h); an MoE layer's shared
+    experts' down projection (the routed experts' outputs stay: the combine's weight gradient
+    reads them, so their down projection re-runs)."""
+    return 2.0 * m.mlp_size * m.hidden_size, 2.0 * m.shared_mlp_size * m.hidden_size
 
 
 def expert_rows_per_token(m: ModelConfig) -> float:

@@ -7,6 +7,9 @@
     k      = [k_nope, RoPE(kr) broadcast to every head];  q = [q_nope, RoPE(q_rope)]
     out    = attention(q, k, v)·Wo,  scale 1/sqrt(qk_nope + qk_rope) x YaRN's mscale²
 
+Under YaRN (model.mla.yarn_factor > 1) the rope part's frequencies and cos/sin scale are
+rope.py's (rope_tables hands them in); only the softmax-scale correction is applied here.
+
 The down-projections (Wq_a, Wkv_a) and the latent are per position, not per head: their
 `latent` axis is never split over `tensor` (it takes `fsdp` where `embed` is not there), while
 the up-projections and Wo carry `heads`, which the rules table splits over `tensor` as Megatron

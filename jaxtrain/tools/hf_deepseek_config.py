@@ -11,8 +11,13 @@ with model.mla and model.moe; what either side cannot express exactly is refused
     e_score_correction_bias (always there)          model.moe.expert_bias=true
     aux_loss_alpha with seq_aux                     model.moe.seq_aux_loss_coeff
 
-Refused: YaRN or any rope_type but default (jaxtrain applies YaRN's softmax-scale correction,
-model.mla.yarn_factor/mscale_all_dim, but not its frequency interpolation); rms_norm_eps other
+    rope_scaling yarn: factor,                      model.mla.yarn_factor,
+      original_max_position_embeddings,               yarn_original_max_position,
+      beta_fast, beta_slow (absent: 32, 1),           yarn_beta_fast, yarn_beta_slow,
+      mscale, mscale_all_dim (absent: 0)              yarn_mscale, mscale_all_dim
+
+Refused: a rope_type but default or yarn; YaRN with truncate=false, partial_rotary_factor, or
+an explicit attention_factor other than the one mscale/mscale_all_dim give; rms_norm_eps other
 than 1e-6 (HF normalises the q and KV latents with eps 1e-6 whatever rms_norm_eps says; our
 latent norms use model.norm_eps); another router (scoring_func, topk_method, moe_layer_freq);
 attention biases; no MoE layer at all. Training-only knobs HF does not hold (the bias update
@@ -63,11 +68,6 @@ def model_config_from_hf(c: dict) -> ModelConfig:
         _fail(f"rms_norm_eps={eps}: HF's DeepseekV3 normalises the q/KV latents with eps 1e-6 "
               "whatever rms_norm_eps says, jaxtrain's with model.norm_eps; only 1e-6 converts")
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        _fail(f"rope_type={rope_type!r} is not supported for DeepSeek-V3: jaxtrain has YaRN's "
-              "softmax-scale correction (model.mla.yarn_factor) but not its frequency "
-              "interpolation; only rope_type='default' converts")
     first_k = int(c["first_k_dense_replace"])
     if first_k >= layers:
         _fail(f"first_k_dense_replace={first_k} >= num_hidden_layers={layers}: no MoE layer; "
@@ -86,13 +86,57 @@ def model_config_from_hf(c: dict) -> ModelConfig:
     mla = MlaConfig(q_lora_rank=int(c["q_lora_rank"] or 0), kv_lora_rank=int(c["kv_lora_rank"]),
                     qk_nope_head_dim=int(c["qk_nope_head_dim"]),
                     qk_rope_head_dim=int(c["qk_rope_head_dim"]),
-                    v_head_dim=int(c["v_head_dim"]))
+                    v_head_dim=int(c["v_head_dim"]), **_yarn_from_hf(rope))
     return ModelConfig(
         vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]), num_layers=layers,
         num_heads=heads, num_kv_heads=heads, head_dim=0, mlp_size=int(c["intermediate_size"]),
         rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
         max_seq_len=int(c.get("max_position_embeddings", ModelConfig.max_seq_len)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)), norm_eps=eps, moe=moe, mla=mla)
+
+
+def _yarn_from_hf(rope: dict) -> dict:
+    """model.mla's YaRN fields from HF's rope parameters ({}: plain RoPE)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        _fail(f"rope_type={rope_type!r} is not supported for DeepSeek-V3; only 'default' and "
+              "'yarn' convert")
+    if rope_type == "default":
+        return {}
+    if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+        _fail("rope_type='yarn' needs factor and original_max_position_embeddings (HF's "
+              f"DeepseekV3 cannot run without them); got {sorted(rope)}")
+    if float(rope["factor"]) < 1:
+        _fail(f"rope_type='yarn' with factor={rope['factor']} < 1 does not convert (YaRN "
+              "stretches the context: factor >= 1)")
+    if not rope.get("truncate", True) or float(rope.get("partial_rotary_factor", 1.0)) != 1:
+        _fail("rope_type='yarn' with truncate=false or partial_rotary_factor != 1 does not "
+              "convert: jaxtrain's YaRN rounds the correction range out (HF's default) over "
+              "the whole rope part")
+    if float(rope["factor"]) == 1:
+        return {}   # HF's yarn at factor 1 is plain RoPE at scale 1
+    yarn = dict(yarn_factor=float(rope["factor"]),
+                yarn_original_max_position=int(rope["original_max_position_embeddings"]),
+                yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+                yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+                yarn_mscale=float(rope.get("mscale") or 0.0),
+                mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+    derived = MlaConfig(**yarn).attention_factor
+    given = rope.get("attention_factor")
+    if given is not None and abs(float(given) - derived) > 1e-12 * derived:
+        _fail(f"rope_type='yarn' with attention_factor={given}: jaxtrain derives it from "
+              f"mscale/mscale_all_dim ({derived} here); only that value converts")
+    return yarn
+
+
+def _yarn_to_hf(a: MlaConfig):
+    """HF's rope_scaling dict of model.mla's YaRN (None without)."""
+    if not a.yarn:
+        return None
+    return {"rope_type": "yarn", "factor": a.yarn_factor,
+            "original_max_position_embeddings": a.yarn_original_max_position,
+            "beta_fast": a.yarn_beta_fast, "beta_slow": a.yarn_beta_slow,
+            "mscale": a.yarn_mscale, "mscale_all_dim": a.mscale_all_dim}
 
 
 def check_deepseek(m: ModelConfig) -> None:
@@ -110,9 +154,7 @@ def check_deepseek(m: ModelConfig) -> None:
              f" in all, not a multiple of the routed experts' {m.expert_mlp_size}"),
             (m.norm_eps == LATENT_NORM_EPS, f"model.norm_eps={m.norm_eps} (HF's latent norms "
                                             "use 1e-6 whatever rms_norm_eps says; set 1e-6)"),
-            (m.rope_scaling is None, "model.rope_scaling (llama3) on the rope part"),
-            (m.mla.softmax_mscale == 1.0, "YaRN's softmax-scale correction without its "
-                                          "frequency interpolation (model.mla.yarn_factor)")):
+            (m.rope_scaling is None, "model.rope_scaling (llama3) on the rope part")):
         if not ok:
             _fail(f"this DeepSeek model has {what}, which HF's DeepseekV3 cannot express "
                   "exactly; it does not export")
@@ -136,7 +178,7 @@ def hf_config_from_model(m: ModelConfig, *, dtype: str = "float32") -> dict:
         "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
         "v_head_dim": a.v_head_dim, "hidden_act": "silu", "attention_bias": False,
         "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_scaling": None, "rope_interleave": True,
+        "rope_theta": m.rope_theta, "rope_scaling": _yarn_to_hf(a), "rope_interleave": True,
         "tie_word_embeddings": m.tie_embeddings, "num_nextn_predict_layers": 0,
         "aux_loss_alpha": e.seq_aux_loss_coeff, "seq_aux": True, "torch_dtype": dtype,
     }
