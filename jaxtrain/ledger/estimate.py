@@ -289,7 +289,8 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
     # DP: each rank reduces the gradients it computed: its layers and, with stages, its edge
     # row (the executor reduces the rows over data before they reduce-scatter over stage)
     volumes = {"dp": comm.dp_bytes(L, n_local, n_expert),
-               "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
+               "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes,
+                                             comm.fsdp_gather_bytes(cfg, L, layer_local))
                + comm.fsdp_rest_bytes(cfg, L, seq),
                # re-run forwards' TP savings counted on the unpipelined step (the 128k
                # recipe: 6 all-gathers + 5 reduce-scatters per layer per microbatch); the
