@@ -35,7 +35,8 @@ stage > 1), bound by `Setup.bind`. How the model maps onto the executor:
 
 A B adds each layer's weight gradient into the rank's fp32 accumulator as its backward
 makes it (`taps`: the layer runner's grad_accumulation taps, where `fuses`: dense stacks
-without context, tensor or fsdp sharding), so no chunk-sized bf16 gradient is held. The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once, after
+without context, tensor or fsdp sharding), so no chunk-sized bf16 gradient is held. The
+gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once, after
 the loop: a reduce-scatter where ZeRO-1 shards them; the FP8 converter's rule for the metas'
 observations), mapped back to the params through split_params' transpose. Microbatches:
 setup.split_microbatches of the global batch on the mesh, [B, S] (sharded over data x fsdp)
@@ -55,13 +56,13 @@ from flax import nnx
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain.executors import replica
 from jaxtrain.executors.contract import Sums
 from jaxtrain.executors.setup import Setup, split_microbatches
 from jaxtrain.ledger.layout import stage_layer_counts
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import loss as loss_lib
 from jaxtrain.model import moe as moe_lib
+from jaxtrain.parallel import grad_accumulation
 from jaxtrain.parallel import pipeline as pl
 from jaxtrain.parallel import sharding
 
@@ -266,14 +267,14 @@ class PipelineModel:
 
 def fuses(cfg) -> bool:
     """Whether a B adds each layer's weight gradient into the accumulator as its backward
-    makes it: where replica.fuses, and without tensor or fsdp sharding. With either (axes
-    left automatic inside the executor's switches) the GPU compiler copies the fused
-    accumulator in the B switch's pass-through branches, a whole fp32 accumulator more than
+    makes it: where grad_accumulation.fuses, and without tensor or fsdp sharding. With
+    either (axes left automatic inside the executor's switches) the GPU compiler copies the
+    fused accumulator in the B switch's pass-through branches, a whole fp32 accumulator more than
     it saves (tiny bf16 step, 8 layers, stage 2 x tensor 2, v 2: 847.4 MiB fused, 730.8
     unfused; the 70B recipe at 16 layers, TP8: 16.4 vs 13.1 GiB); cause not found yet.
     ledger.memory prices the same choice."""
     par = cfg.parallel
-    return replica.fuses(cfg) and par.tensor == 1 and par.fsdp == 1
+    return grad_accumulation.fuses(cfg) and par.tensor == 1 and par.fsdp == 1
 
 
 def build(setup: Setup) -> PipelineModel:

@@ -145,16 +145,6 @@ def _fused_microbatch(setup: Setup, add: Callable):
     return step
 
 
-def fuses(cfg) -> bool:
-    """Whether the unpipelined step adds each layer's gradient into the accumulator as the
-    backward makes it: dense models without context parallelism. An MoE stack's groups are
-    not tapped yet; under context parallelism the fused H100 program of the 8B 128K recipe
-    (context 4, ring, full recompute) held 1.6 GiB more than the unfused one (60.5 vs 58.9
-    GiB; the unfused one already holds less than the stack's bf16 gradient there), cause not
-    found yet. ledger.memory prices the same choice."""
-    return not any(cfg.model.moe_layers) and cfg.parallel.context == 1
-
-
 def grad_sums(setup: Setup, *, fuse: bool = True):
     """`fn(compute params, batch, fp8_meta) -> Sums` of the unpipelined step: each replica
     scans its microbatches, then the one data-parallel reduction of the step. A dense model's
@@ -167,7 +157,7 @@ def grad_sums(setup: Setup, *, fuse: bool = True):
                                                                                     meta)
         return Sums(losses, grads, observations)
     zeros, add = _accumulator(setup)
-    fused = _fused_microbatch(setup, add) if fuse and fuses(setup.cfg) else None
+    fused = _fused_microbatch(setup, add) if fuse and grad_accumulation.fuses(setup.cfg) else None
     run = per_replica(setup, microbatched(microbatch, setup.cfg.parallel.microbatches, zeros,
                                           add, add_into=fused), grads_out=True)
 

@@ -74,7 +74,7 @@ def held_bytes_per_param(layout: Layout) -> dict[str, float]:
     compute-dtype gradient of the whole stack: the unpipelined step adds each layer's into the
     accumulator as its backward makes it (parallel/grad_accumulation.py, Megatron's
     gradient_accumulation_fusion), leaving one layer's (`static_bytes`; not under context
-    parallelism: executors/replica.fuses); so does the pipeline's B
+    parallelism: parallel/grad_accumulation.fuses); so does the pipeline's B
     (`pipeline_static_bytes`)."""
     f = layout.fsdp
     # Megatron's distributed optimizer shards over the data-parallel group, which includes the
@@ -218,7 +218,7 @@ def static_bytes(cfg: Config, layout: Layout, n_local: float,
         out["master"] += 4 * extra
         out["moments"] += 8 * extra
     if layout.stage == 1:
-        # fused (executors/replica.fuses): one layer's compute-dtype gradient on its way into
+        # fused (parallel/grad_accumulation.fuses): one layer's compute-dtype gradient on its way into
         # the accumulator; else, with microbatches to add up, the stack's
         fused = layout.context == 1 and not any(cfg.model.moe_layers)
         grad_params = (layer_params_local(cfg, layout.tensor, layout.expert,
