@@ -80,7 +80,12 @@ def project_gathered(gather, x, projections, fp8: bool):
     tensor=8). Without sequence parallelism `gather` is the identity and nothing changes.
 
     The backward re-traces the projections for their VJP; their forward GEMMs, unused there,
-    are dead code XLA removes (the compiled matmul FLOPs are unchanged)."""
+    are dead code XLA removes (the compiled matmul FLOPs are unchanged). With
+    `ops.collective_matmul` (parallel/collective_matmul.py) the gather and the GEMMs run as
+    one ring instead."""
+    ring = projections[0].ops.collective_matmul
+    if ring is not None:
+        return ring.gathered(x, projections, fp8)
     def run(xg, weights):
         return tuple(p.apply(xg, w, fp8) for p, w in zip(projections, weights))
 
@@ -129,7 +134,9 @@ def project_scattered(gather, scatter, x, projection, fp8: bool):
     stream (reduce-scattered over the sequence under sequence parallelism). Its backward
     gathers the output's cotangent once for both of the projection's gradients (GSPMD left to
     itself gathers it once per gradient GEMM: 2 of the 8 sequence-sized all-gathers a layer
-    would run)."""
+    would run). With `ops.collective_matmul` the GEMM and the scatter run as one ring."""
+    if projection.ops.collective_matmul is not None:
+        return projection.ops.collective_matmul.scattered(x, projection, fp8)
     weights = projection.weights()
     apply = lambda x_, w_: projection.apply(x_, w_, fp8)  # noqa: E731
 

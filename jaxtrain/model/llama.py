@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +68,8 @@ class Ops:
     projections run in FP8 and owns their metas (default: FP8 off). `run_layer(block_fn,
     x_BSD, layer_state) -> x_BSD` runs one layer apart from the stack (the multi-token
     prediction modules' blocks; default: the layer as it is; remat supplies the stack's
-    policy).
+    policy). `collective_matmul` (parallel/collective_matmul.py; default None: GSPMD's
+    gathers and scatters) runs layers.project_gathered/project_scattered as ppermute rings.
     """
     dot_general: DotGeneral = jax.lax.dot_general
     constrain: Constrain = identity_constrain
@@ -80,6 +81,7 @@ class Ops:
     grouped_dot: Callable = moe_lib.ragged_dot
     dispatch: Callable = moe_lib.local_dispatch
     run_layer: Optional[Callable] = None
+    collective_matmul: Any = None
 
 
 def _real_vocab_rows(init, real_vocab: int, axis: int):
