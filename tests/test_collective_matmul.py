@@ -16,7 +16,8 @@ LAYOUTS = {   # tiny_config: 4 heads, 2 KV heads (tensor=4 keeps K/V whole: the 
     "tensor4_sp_data2": ["--parallel.data=2", "--parallel.tensor=4"],
     "tensor2_sp_fsdp4": ["--parallel.data=1", "--parallel.fsdp=4", "--parallel.tensor=2"],
     "tensor4_sp_fsdp2_full_remat": ["--parallel.data=1", "--parallel.fsdp=2",
-                                    "--parallel.tensor=4", "--remat.granularity=full"],
+                                    "--parallel.tensor=4", "--remat.granularity=full",
+                                    "--remat.num_layers=1"],
 }
 SP = ["--parallel.sequence_parallel=true"]
 
@@ -49,3 +50,12 @@ def test_collective_matmul_equals_plain_sp(name, params0):
 def test_collective_matmul_refused_where_it_does_not_apply(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config("--parallel.data=1", "--parallel.collective_matmul=true", *overrides)
+
+
+def test_collective_matmul_under_stages_is_refused_on_cpu():
+    from jaxtrain.parallel.collective_matmul import CollectiveMatmulError
+    cfg = tiny_config("--parallel.stage=2", "--parallel.data=2", "--parallel.tensor=2",
+                      "--parallel.microbatches=4", "--train.global_batch=16", *SP,
+                      "--parallel.collective_matmul=true")
+    with pytest.raises(CollectiveMatmulError, match="crashes XLA:CPU"):
+        setup_lib.build(cfg, sharding.make_mesh(cfg.parallel, jax.devices()))

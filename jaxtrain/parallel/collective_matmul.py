@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxtrain.parallel.mesh_axes import TENSOR
-from jaxtrain.parallel.sharding import context_mesh, flat_axes, mesh_axes_for
+from jaxtrain.parallel.mesh_axes import STAGE, TENSOR
+from jaxtrain.parallel.sharding import context_mesh, flat_axes, mesh_axes_for, platform
 
 SEQ = 1   # the sequence dim of every projection's input and output: [batch, sequence, ...]
 
@@ -155,7 +155,14 @@ class CollectiveMatmul:
 def collective_matmul_for(parallel_cfg, mesh) -> CollectiveMatmul | None:
     """Ops.collective_matmul for the run: the ring when parallel.collective_matmul is on (the
     config rules have checked it applies: SP, tensor > 1, no context parallelism, no FP8),
-    else None (the GSPMD projections)."""
+    else None (the GSPMD projections). Refused under pipeline stages on XLA:CPU, which
+    crashes running collective-permutes that sit in the executor's per-stage branches (as
+    ring attention's, context_attention.check_backend); the GPU compiler's program is fine."""
     if not parallel_cfg.collective_matmul or mesh is None:
         return None
+    if mesh.shape[STAGE] > 1 and platform(mesh) == "cpu":
+        raise CollectiveMatmulError(
+            "parallel.collective_matmul=true with parallel.stage > 1 crashes XLA:CPU (the "
+            "rings' collective-permutes sit in per-stage branches); on CPU set "
+            "parallel.collective_matmul=false, or run on GPUs")
     return CollectiveMatmul(mesh)
