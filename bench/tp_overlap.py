@@ -28,8 +28,12 @@ VARIANTS = {
     "overlap_limit_2": "xla_gpu_experimental_parallel_collective_overlap_limit=2",
     "double_buffering": "xla_gpu_enable_while_loop_double_buffering=true",
     "collective_matmul": ("", ["--parallel.collective_matmul=true"]),
-    "collective_matmul_no_dot_merger": ("xla_gpu_dot_merger_threshold_mb=0",
-                                        ["--parallel.collective_matmul=true"]),
+    # XLA's own dot-merger threshold (jaxtrain turns the merger off with collective_matmul)
+    "collective_matmul_dot_merger": ("xla_gpu_dot_merger_threshold_mb=32",
+                                     ["--parallel.collective_matmul=true"]),
+    "collective_matmul_overlap_limit_2": (
+        "xla_gpu_experimental_parallel_collective_overlap_limit=2",
+        ["--parallel.collective_matmul=true"]),
     "collective_matmul_full_remat": ("", ["--parallel.collective_matmul=true",
                                           "--remat.granularity=full", "--remat.num_layers=1"]),
     "full_remat": ("", ["--remat.granularity=full", "--remat.num_layers=1"]),
