@@ -4,7 +4,7 @@ Layout for 1024 H100s: TP 8 with sequence parallelism, PP 8 with 1F1B and lighte
 last stages (15 + 6 x 16 + 15 layers: time for the embedding and the head), data 16 (ZeRO-1),
 64 microbatches of one sequence, full recompute of every layer (each F stashes its 16 layers'
 inputs). The ledger (`python -m jaxtrain.plan --config configs/llama405b.py --devices 1024
---gpu h100`) rates it 32-48% MFU at 69.2 of 72 GiB, its only fitting layout: without recompute
+--gpu h100`) rates it 32-48% MFU at 68.8 of 72 GiB, its only fitting layout: without recompute
 the stash alone needs 127 GiB, and on 512 H100s (two sequences per microbatch) the step
 compiles to 81 GiB per device. Not yet run on GPUs.
 """

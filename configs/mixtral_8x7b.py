@@ -9,11 +9,11 @@ the backward) with it: the executor's shapes are static, so a rank's receive buf
 every sender's worst case (8 x 8192 rows) and the experts' gate, up and out are stored at that
 size, which Megatron's dynamic shapes never hold. The ledger rates this layout (`python -m
 jaxtrain.plan --config configs/mixtral_8x7b.py --devices 64 --gpu h100`, the configured row)
-31-45% MFU at 48.3 of 72 GiB (Megatron reports 42%); without recompute the stash needs 439.1
+31-45% MFU at 48.2 of 72 GiB (Megatron reports 42%); without recompute the stash needs 438.9
 GiB and does not fit, and with moe_act alone 297 GiB. Its all-to-all moves 45.1 GB per device
 per step over NVLink (the 8 expert ranks sit in one node; the recompute re-runs the forward's
 two). The planner's own pick is tensor 2, stage 8 x 2 virtual, expert 1, no recompute: 43-64%
-at 63.1 GiB. The dry run compiles this layout for 64 H100s at 4 of its 32 layers
+at 62.7 GiB. The dry run compiles this layout for 64 H100s at 4 of its 32 layers
 (tests/test_gpu_compile_moe.py): memory, MoE FLOPs and kernels as the ledger says.
 """
 from jaxtrain.config import Config, ModelConfig, MoeConfig, TrainConfig

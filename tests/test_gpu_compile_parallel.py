@@ -61,6 +61,55 @@ def test_1f1b_compiled_memory_does_not_grow_with_microbatches(h100):
     assert mem["1f1b", 32] < 1.02 * mem["1f1b", 8], mem
 
 
+VOCAB_LEAVES = ("embed", "lm_head", "final_norm")
+
+
+def _vocab_state_bytes(out) -> float:
+    """Per-device bytes of the tables' and the final norm's fp32 masters and Adam moments, by
+    the shardings the compiled step takes the train state in."""
+    import jax
+    import numpy as np
+    total = 0.0
+
+    def add(path, leaf, sh):
+        nonlocal total
+        if {str(getattr(k, "key", "")) for k in path} & set(VOCAB_LEAVES):
+            total += float(np.prod(sh.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+    jax.tree_util.tree_map_with_path(add, out.setup.abstract_train_state,
+                                     out.compiled.input_shardings[0][0])
+    return total
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_vocab_tables_state_is_split_over_stage_at_less_stage_traffic(h100, zero1):
+    """Issue 31: under stages the embedding's, lm_head's and final norm's masters and Adam
+    moments are split over `stage` (1/p per rank of what replicated masters held; Megatron
+    keeps them on the first and last stage), and over `stage` the step moves their fp32
+    gradients reduce-scattered and the bf16 copy all-gathered, (p-1)/p·(4 + 2) bytes a
+    parameter, where replicated masters took an fp32 all-reduce, 2·(p-1)/p·4: the ledger's
+    vocab term exactly, 3/4 of the all-reduce's. Under ZeRO-1 the copy's gather runs over
+    (stage, data) at once; its stage share is what exceeds ZeRO-1's gather over data."""
+    from jaxtrain.ledger.memory import vocab_params_local
+    out = compile_tiny(h100, *LAYOUTS[2], f"--parallel.zero1={str(zero1).lower()}")
+    cfg, mesh = out.setup.cfg, out.setup.mesh
+    p, d, t = mesh.shape["stage"], mesh.shape["data"], mesh.shape["tensor"]
+    zero = d if zero1 else 1
+    tables = vocab_params_local(cfg, t)             # both tables + the norm per tensor rank
+    replicated = 3 * 4 * tables / zero              # master + mu + nu, on every stage rank
+    assert _vocab_state_bytes(out) == pytest.approx(replicated / p)
+
+    colls = [c for c in hlo.collectives_from_text(out.text, mesh)
+             if c.kind != "collective-permute" and c.bytes > 1024]   # not the loss scalars
+    stage = sum(c.wire_bytes * c.count for c in colls if c.axes == ("stage",))
+    joint = sum(c.wire_bytes * c.count for c in colls if c.axes == ("stage", "data"))
+    assert joint if zero1 else not joint
+    stage += joint - (d - 1) / d * tables * 2 if zero1 else 0.0
+    ledger = comm.vocab_bytes(cfg, layout_from_config(cfg, mesh.size))
+    assert stage == pytest.approx(ledger, rel=0.01)
+    all_reduce = 2 * (p - 1) / p * tables * 4 / zero
+    assert ledger == pytest.approx(0.75 * all_reduce)
+
+
 # the Mosaic kernels' head size 128; TP with SP, FSDP and data
 ATTENTION_SHAPES = ("--train.seq_len=256", "--model.max_seq_len=256", "--model.hidden_size=256",
                     "--model.num_heads=2", *LAYOUTS[1])

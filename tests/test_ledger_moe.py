@@ -187,9 +187,11 @@ def test_moe_recompute_flops_of_each_module():
     cfg = _small(moe)
     h = 64
 
-    def extra(*modules):
-        return ledger.recompute_flops_per_token(
-            cfg, RematConfig(granularity="selective", modules=modules))
+    def extra(*modules):   # a module's own, beside what every selective policy re-runs
+        return (ledger.recompute_flops_per_token(
+            cfg, RematConfig(granularity="selective", modules=("core_attn", *modules)))
+            - ledger.recompute_flops_per_token(
+                cfg, RematConfig(granularity="selective", modules=("core_attn",))))
     assert extra("moe_act") == 0.0                                # elementwise
     assert extra("moe") == 4 * (6 * h * 40 * 2)                   # in and out projections
     assert extra("shared_experts") == 4 * (4 * h * 24)            # gate and up

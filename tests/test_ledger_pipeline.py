@@ -115,9 +115,11 @@ def test_small_pipelined_estimate_by_hand():
     ex = est.executor
     assert (ex.steps, ex.stash_buffer, ex.buffers, ex.chunk_layers) == (6, 2, 4, 4)
     # Static: a rank computes with its 4 layers and its edge row (one vocab table and the
-    # final norm: rank 0's embedding, rank 1's head); both tables' masters and Adam moments
-    # are on every rank (ZeRO-1 over data 2); the B's 4-layer chunk gradient in bf16.
-    n_local, n_state = 4 * LAYER_LOCAL + TABLE_LOCAL + H, 4 * LAYER_LOCAL + 2 * TABLE_LOCAL + H
+    # final norm: rank 0's embedding, rank 1's head); both tables' and the norm's masters and
+    # Adam moments split over the 2 stages (and ZeRO-1 over data 2); the B's 4-layer chunk
+    # gradient in bf16.
+    n_local = 4 * LAYER_LOCAL + TABLE_LOCAL + H
+    n_state = 4 * LAYER_LOCAL + (2 * TABLE_LOCAL + H) / 2
     assert est.params_local == n_local
     assert est.static_bytes == pytest.approx(n_local * (2 + 4) + n_state * 12 / 2
                                              + 4 * LAYER_LOCAL * 2)
@@ -132,10 +134,10 @@ def test_small_pipelined_estimate_by_hand():
     # HFU: nothing is run again without remat.
     assert est.model_flops_per_token == ledger.model_flops_per_token(cfg)
     assert est.hfu_flops_per_token == est.model_flops_per_token
-    # Communication: 12 sends of a chunk input; the vocab gradients' ring all-reduce (fp32)
-    # over stage, of their ZeRO-1 shard over data 2.
+    # Communication: 12 sends of a chunk input; over stage, of their ZeRO-1 shard over data 2,
+    # the vocab gradients reduce-scattered (fp32) and their bf16 copy all-gathered, ring.
     assert est.comm_bytes["pp"] == 12 * chunk_input
-    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (2 * TABLE_LOCAL + H) * 4 / 2
+    assert est.comm_bytes["vocab"] == (1 / 2) * (2 * TABLE_LOCAL + H) * (4 + 2) / 2
     # TP+SP: 4 sequence-sized collectives per forward pass (4 per rank), 6 per backward pass
     # (4), each (t-1)/t.s.b.h.2, over the chunk's 4 layers
     assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * (4 * 4 + 6 * 4)
@@ -193,8 +195,8 @@ def test_tied_embeddings_hold_one_table_and_reduce_one_gradient():
     est = estimate(cfg)
     assert est.params_local == 4 * LAYER_LOCAL + TABLE_LOCAL + H
     # Rank 0's and rank p-1's copies of the one table: their gradients summed in one
-    # all-reduce over stage.
-    assert est.comm_bytes["vocab"] == 2 * (1 / 2) * (TABLE_LOCAL + H) * 4 / 2
+    # reduce-scatter over stage to its master's shards, its bf16 copy all-gathered.
+    assert est.comm_bytes["vocab"] == (1 / 2) * (TABLE_LOCAL + H) * (4 + 2) / 2
 
 
 def test_hfu_from_the_config_counts_the_remat_only():

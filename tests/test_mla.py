@@ -254,8 +254,10 @@ def test_ledger_mla_width_recompute_and_tensor_split():
     E, F = NOPE + ROPE, VDIM
     assert latent.attention_width(m) == H * (E + F) / 2
     up = 2 * (Q_RANK * H * E + KV_RANK * H * (NOPE + F))
-    remat = RematConfig(granularity="selective", modules=("mla_up_proj",))
-    assert recompute_flops_per_token(_ledger_cfg(Q_RANK), remat) == up
+    own = [recompute_flops_per_token(_ledger_cfg(Q_RANK), RematConfig(
+        granularity="selective", modules=modules)) for modules in (
+            ("core_attn", "mla_up_proj"), ("core_attn",))]
+    assert own[0] - own[1] == up
     whole = D * Q_RANK + Q_RANK + D * (KV_RANK + ROPE) + KV_RANK + 2 * D
     split = Q_RANK * H * E + KV_RANK * H * (NOPE + F) + H * F * D
     assert latent.attention_params_local(m, 2) == whole + split / 2
@@ -287,7 +289,9 @@ def test_mla_up_proj_recomputes_exactly_the_up_projections():
     cfg, up, g_up = run("mla_up_proj")
     _, base, g_base = run("core_attn")
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    want = recompute_flops_per_token(cfg) * tokens
+    core = dataclasses.replace(cfg, remat=RematConfig(granularity="selective",
+                                                      modules=("core_attn",)))
+    want = (recompute_flops_per_token(cfg) - recompute_flops_per_token(core)) * tokens
     assert want > 0 and up - base == pytest.approx(want, rel=1e-6)
     for a, b in zip(jax.tree.leaves(g_up), jax.tree.leaves(g_base)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import step
 from jaxtrain.executors import pipeline as pipeline_executor
@@ -64,6 +64,12 @@ LAYOUTS = {
         "--parallel.stage=2", "--parallel.tensor=2", "--parallel.data=-1",
         "--parallel.schedule=1f1b", "--parallel.microbatches=4", "--model.tie_embeddings=true",
         "--remat.granularity=full", "--remat.method=block", "--remat.num_layers=1"],
+    # tied under ZeRO-1 and FSDP: the one table's master split over (data, stage) and fsdp,
+    # its two edge rows' gradients summed into it (issue 31)
+    "1f1b_p2_m4_tied_fsdp2_data2_zero1": [
+        "--parallel.stage=2", "--parallel.fsdp=2", "--parallel.data=-1",
+        "--parallel.schedule=1f1b", "--parallel.microbatches=4", "--model.tie_embeddings=true",
+        "--parallel.zero1=true"],
 }
 TIED = "--model.tie_embeddings=true"
 
@@ -166,12 +172,15 @@ def test_layers_stored_in_chunk_order_never_move_between_stages(name):
     """Interleaved and uneven chunks hold layers out of model order; stored in chunk order
     (layer_order) each rank already has its own. In model order this step had 18 all-to-alls
     (interleaved) or 18 collective-permutes (uneven) over `stage` per step; now the `stage`
-    collectives outside the schedule loop are the loss's all-reduce and the one that brings
-    the embedding's (rank 0) and the head's (rank p-1) gradients to every stage rank."""
+    collectives outside the schedule loop are the loss's all-reduce, the vocab tables'
+    gradients reduced to their masters' stage shards (XLA:CPU: an all-reduce and a slice) and
+    their compute copy gathered over stage (with ZeRO-1 over stage and data at once)."""
     setup, *_, compiled, _ = pipelined(name)
     outside = {(c.kind, c.axes) for c in hlo.collectives(compiled, setup.mesh)
                if "stage" in (c.axes or ()) and not c.in_loop}
-    assert outside == {("all-reduce", ("stage", "data")), ("all-reduce", ("stage",))}
+    gather = ("stage", "data") if setup.cfg.parallel.zero1 else ("stage",)
+    assert outside == {("all-reduce", ("stage", "data")), ("all-reduce", ("stage",)),
+                       ("all-gather", gather)}
 
 
 def test_forward_only_eval_sums_match():
@@ -252,3 +261,29 @@ def test_executed_matmul_flops_equal_the_unpipelined_steps():
     assert executed.mean / reference_flops <= 1.03, (executed, reference_flops)
     assert executed.mean / reference_flops >= 0.97
     assert executed.every_branch > 3 * executed.max
+
+
+@pytest.mark.parametrize("name, embed, compute", [
+    ("gpipe_p2_m4_data4_zero1", P(("data", "stage"), None), P(None, None)),
+    ("1f1b_p2_m4_tied_fsdp2_data2_zero1", P(("data", "stage"), "fsdp"), P(None, "fsdp")),
+    ("1f1b_p4_m8_fsdp2_remat", P("stage", "fsdp"), P(None, "fsdp")),
+])
+def test_vocab_tables_masters_split_over_stage_their_compute_copy_does_not(name, embed,
+                                                                            compute):
+    """Issue 31: the tables' and the final norm's masters (and so Adam's moments) are split
+    over `stage`, minor to ZeRO-1's data group, on the dim it takes; the compute copy the
+    edge rows are built from stays whole over stage (gathered once per step), and the layers
+    keep their one `stage` (the layer dim)."""
+    setup = build_setup(tiny_config(*BASE, *LAYOUTS[name]), jax.devices())
+    master = jax.tree.map(lambda s: s.spec, setup.param_shardings)
+    assert master["embed"] == embed
+    assert setup.compute_shardings["embed"].spec == compute
+    has_stage = lambda spec: any("stage" in sharding.flat_axes(a) for a in spec)  # noqa: E731
+    assert has_stage(jax.tree.leaves(master["final_norm"], is_leaf=lambda s: isinstance(s, P))[0])
+    assert TIED in LAYOUTS[name] or has_stage(master["lm_head"])
+    for spec in jax.tree.leaves(master["blocks"], is_leaf=lambda s: isinstance(s, P)):
+        assert sharding.flat_axes(spec[0])[0] == "stage"   # the layer dim (ZeRO-1: then data)
+        assert sum("stage" in sharding.flat_axes(a) for a in spec) == 1
+    opt = jax.tree.leaves(setup.state_shardings.opt_state,
+                          is_leaf=lambda s: isinstance(s, NamedSharding))
+    assert sum(s.spec == embed for s in opt) >= 2   # Adam's mu and nu of the embedding

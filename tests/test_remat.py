@@ -31,8 +31,8 @@ SHAPE = ("model.vocab_size=256", "model.hidden_size=64", "model.num_layers=8",
          "model.max_seq_len=128", "model.attention=xla", "train.seq_len=128",
          "train.global_batch=2")
 
-POLICIES = ("none", "selective:core_attn", "selective:core_attn,mlp", "uniform:1", "uniform:2",
-            "block:1", "block:4", "dots_saveable", "offload:mlp")
+POLICIES = ("none", "selective:core_attn", "selective:core_attn,mlp", "selective:core_attn_out",
+            "uniform:1", "uniform:2", "block:1", "block:4", "dots_saveable", "offload:mlp")
 
 
 def _cfg(policy="none", *overrides):
@@ -122,20 +122,25 @@ def test_recompute_flops_overheads(one_device):
     assert ratio["dots_saveable"] == 1.0  # every matmul output is saved
 
 
-@pytest.mark.parametrize("policy", ["uniform:1", "uniform:2", "block:1", "block:4"])
-def test_full_recompute_flops_are_the_ledgers(one_device, policy):
-    """The ledger's full-recompute FLOPs are the compiled program's re-run matmuls: a forward
+@pytest.mark.parametrize("policy", ["uniform:1", "uniform:2", "block:1", "block:4",
+                                    "selective:core_attn", "selective:core_attn,mlp",
+                                    "selective:core_attn_out", "offload:mlp"])
+def test_recompute_flops_are_the_ledgers(one_device, policy):
+    """The ledger's recompute FLOPs are the compiled program's re-run matmuls. Full: a forward
     of each recomputed layer, less the down projection where each layer is its own checkpoint
     (uniform:1, block: its output feeds nothing the backward needs); uniform:2 scans two
-    layers in one checkpoint and re-runs every down projection. The ledger counts the norm
-    weights as parameters (2 FLOPs each per token per recomputed layer), XLA does not; XLA's
-    attention core computes the full s x s square (causal=False)."""
+    layers in one checkpoint and re-runs every down projection. Selective: QK^T in every
+    layer (the core's untagged insides), PV too with core_attn_out, gate and up with mlp
+    (offloaded: fetched, not re-run). The ledger counts the norm weights as parameters (2 FLOPs each per token per recomputed
+    layer), XLA does not; XLA's attention core computes the full s x s square
+    (causal=False)."""
     from jaxtrain import ledger
     from jaxtrain.ledger.flops import recomputed_layers
     flops = {p: v[3] for p, v in one_device[0].items()}
     cfg = _cfg(policy)
     tokens, m = 2 * 128, cfg.model
-    n = recomputed_layers(cfg.remat, (m.num_layers,))
+    n = (recomputed_layers(cfg.remat, (m.num_layers,))
+         if cfg.remat.granularity == "full" else 0)
     norms = 2 * ledger.param_counts(m).per_layer["norms"] * n * tokens
     want = ledger.recompute_flops_per_token(cfg, causal=False) * tokens - norms
     assert flops[policy] - flops["none"] == pytest.approx(want, rel=1e-9)

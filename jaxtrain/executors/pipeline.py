@@ -13,9 +13,11 @@ stage > 1), bound by `Setup.bind`. How the model maps onto the executor:
   embedding runs (and is differentiated) on rank 0 only, inside the first virtual stage (no
   activation-sized [m, B, S, D] input buffer: 1F1B's memory does not grow with m), and the
   head and loss on rank p-1; each device holds one table's compute copy and gradient
-  accumulator instead of two. The masters and Adam moments stay where the train state keeps
-  them (replicated over stage), so the tables' gradients reach every stage rank in one
-  all-reduce after the loop (with tied embeddings both copies' gradients sum in it);
+  accumulator instead of two. The rows are built from the compute copy, which the step
+  gathers over stage once (the masters and Adam moments of the tables and the norm are split
+  over stage: parallel/sharding.stage_state_axis), and the transpose of the selects sends the
+  rows' gradients to the masters' stage shards in one reduce-scatter after the loop (with tied
+  embeddings both copies' gradients sum in it);
 - chunks: the blocks split into p*v chunks (pipeline.stack_stages), each run by the model's
   layer runner, so remat policies apply per layer inside a chunk (block:N counts the chunk's
   layers), and an F stashes what the policy saves. With parallel.first/last_stage_layers
@@ -185,19 +187,22 @@ class PipelineModel:
         table and one norm per stage rank, sharded over `stage`: rank 0 holds the embedding,
         rank p-1 the head (the lm_head transposed to [V, D], or the embedding again when tied)
         and the final norm, the ranks between zeros. Linear in its inputs (its transpose maps
-        the executor's gradients back)."""
+        the executor's gradients back: summed over stage into the masters' stage shards)."""
         cfg, p = self.setup.cfg, self.schedule.stages
         blocks = self.setup.bind({"blocks": params["blocks"]}, fp8_meta).block_fn()[1]
         # stored in chunk order (layer_order): a local reshape to [p, v, Lc, ...]
         v = self.schedule.virtual_stages
         chunks = jax.tree.map(lambda a: a.reshape((p, v, -1) + a.shape[1:]), blocks)
         embed = params["embed"]
-        head = embed if cfg.model.tie_embeddings else params["lm_head"].T
         # selects, not a stack: each rank picks its row locally (XLA moved a stack's rows
         # between stages with all-to-alls)
         rank = lambda a: jnp.arange(p).reshape((p,) + (1,) * a.ndim)  # noqa: E731
-        table = jnp.where(rank(embed) == 0, embed[None],
-                          jnp.where(rank(embed) == p - 1, head[None], 0).astype(embed.dtype))
+        last = lambda a: jnp.where(rank(a) == p - 1, a[None], 0).astype(a.dtype)  # noqa: E731
+        # the lm_head's row transposed after the select, per rank: its transpose's gradient
+        # then sums over stage in the master's [D, V] layout (split over stage on V: a
+        # reduce-scatter; transposed before the select, XLA all-reduced the whole table)
+        head = last(embed) if cfg.model.tie_embeddings else last(params["lm_head"]).swapaxes(1, 2)
+        table = jnp.where(rank(embed) == 0, embed[None], head)
         norm = jax.tree.map(lambda a: jnp.where(rank(a) == p - 1, a[None], 0).astype(a.dtype),
                             params["final_norm"])
         spec = self.setup.compute_shardings["embed"].spec

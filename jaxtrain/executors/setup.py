@@ -181,7 +181,8 @@ def build(cfg: Config, mesh: Mesh) -> Setup:
     logical = sharding.logical_axes(abstract_state)
     shapes = nnx.to_pure_dict(abstract_state)
     fold = folded(cfg, mesh)
-    master = sharding.param_specs(logical, shapes, mesh, zero1=cfg.parallel.zero1, folded=fold)
+    master = sharding.param_specs(logical, shapes, mesh, zero1=cfg.parallel.zero1, folded=fold,
+                                  state=True)
     compute = sharding.param_specs(logical, shapes, mesh, folded=fold)
     return Setup(cfg, mesh, graphdef, abstract_state, logical, sharding.named(mesh, master),
                  sharding.named(mesh, compute), optim.make_optimizer(cfg.train), model_cfg,

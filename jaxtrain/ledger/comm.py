@@ -27,11 +27,15 @@ Conventions (docs/design.md §5), N_local = parameters one device holds after TP
   unpipelined only: on a pipeline the embedding and head ranks are not yet modelled apart).
 - PP: the executor's 2 sends (activation right, cotangent left) per table step, idle steps
   included, of one chunk input (s·b·h in the compute dtype, /t under SP).
-- Vocab (stages only): the embedding's gradient (rank 0) and the head's (+ final norm, rank
-  p-1) go to every stage rank, whose optimizer holds both tables, in an fp32 all-reduce over
-  stage once per step: ring 2·(p-1)/p·(2 tables + h)·4 bytes (one table's when tied: its
-  two copies' gradients are summed in that one all-reduce), of the ZeRO-1 shard (/data):
-  XLA reduce-scatters over data first (the GPU compiler's program).
+- Vocab (stages only): the tables' and the final norm's masters are split over stage
+  (parallel/sharding.stage_state_axis), so the embedding's gradient (rank 0) and the head's
+  (+ final norm, rank p-1) are reduce-scattered over stage to the masters' shards in fp32
+  and the compute-dtype copy is all-gathered once per step: ring (p-1)/p·(2 tables + h)·
+  (4 + 2) bytes (one table's when tied: its two copies' gradients sum in the one
+  reduce-scatter), where replicated masters took an fp32 all-reduce, 2·(p-1)/p·...·4; of the
+  ZeRO-1 shard (/data): XLA reduce-scatters over data first, and under ZeRO-1 the copy's
+  gather runs over (stage, data) at once (the GPU compiler's program, tests/
+  test_gpu_compile_parallel.py: exact at p=2 and p=4).
 - CP (context_attention.py), per layer pass, with a shard's K/V = 2·(s/c)·b·(K·E/t)·2 bytes
   (KV heads only; K·E/t is one head when KV heads are fewer than t): all_gather receives the
   other c-1 shards in a forward pass; a backward one gathers them again and reduce-scatters
@@ -165,14 +169,18 @@ def pp_bytes(cfg: Config, layout: Layout, seq_len: int, ex: Executor | None) -> 
 
 
 def vocab_bytes(cfg: Config, layout: Layout) -> float:
-    """Ring all-reduce over stage of the embedding/head gradients (fp32)."""
+    """The vocab tables and the final norm over stage, whose masters split over it
+    (parallel/sharding.stage_state_axis): their fp32 gradients reduce-scattered from the edge
+    rows to the masters' shards and the compute-dtype copy all-gathered once per step, ring
+    (p-1)/p each: 4 + 2 bytes a parameter where the all-reduce of replicated masters was 8."""
     p, t, m = layout.stage, layout.tensor, cfg.model
     if p == 1:
         return 0.0
     table = padded_vocab(m.vocab_size, t) * m.hidden_size / t
     tables = 1 if m.tie_embeddings else 2
     shard = layout.data * layout.context if layout.zero1 else 1
-    return 2.0 * (p - 1) / p * (tables * table + m.hidden_size) * 4 / shard
+    compute = 4 if m.compute_dtype == "float32" else 2
+    return (p - 1) / p * (tables * table + m.hidden_size) * (4 + compute) / shard
 
 
 class CpPass(NamedTuple):

@@ -206,7 +206,7 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     ideal = f_model * tokens / (L.n_devices * gpu.peak_flops(m.compute_dtype))
 
     passes, volumes, links, seconds = _communication(cfg, L, gpu, remat, seq, stage_layers, ex,
-                                                     n_state, n_expert)
+                                                     n_local, n_expert)
 
     # expected step time
     # What runs: a flash kernel skips the masked half of the scores, XLA's attention does not.
@@ -275,7 +275,7 @@ def _memory_fields(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, fl
 
 
 def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, seq: int,
-                   stage_layers: tuple, ex: pipeline.Executor | None, n_state: float,
+                   stage_layers: tuple, ex: pipeline.Executor | None, n_local: float,
                    n_expert: float):
     """Per device per step on the stage with the most layers: (the layer passes counted, bytes
     of each kind, its (link name, bytes/s), its seconds on that link at full bandwidth)."""
@@ -286,7 +286,9 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
     layer_local = memory.layer_params_local(cfg, L.tensor, L.expert, L.expert_tensor)
     # the forward passes full recompute adds (the backward reuses what they gather)
     rerun = passes.forward - comm.layer_passes(L, stage_layers, ex).forward
-    volumes = {"dp": comm.dp_bytes(L, n_state, n_expert),
+    # DP: each rank reduces the gradients it computed: its layers and, with stages, its edge
+    # row (the executor reduces the rows over data before they reduce-scatter over stage)
+    volumes = {"dp": comm.dp_bytes(L, n_local, n_expert),
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
                + comm.fsdp_rest_bytes(cfg, L, seq),
                # re-run forwards' TP savings counted on the unpipelined step (the 128k

@@ -149,27 +149,37 @@ def model_flops_per_token(cfg: Config, seq_len: int | None = None, *,
 # Forward FLOPs per token per layer that recomputing each tagged activation re-runs
 # (docs/design.md §3 tags; "mlp" and "layernorm" are Megatron's --recompute-modules names),
 # for a dense layer and for an MoE layer (no dense MLP; "moe_act", "moe" and "shared_experts"
-# are Megatron's MoE modules, ledger.experts.MODULE_TAGS).
-# Norms, RoPE and the SwiGLU product are elementwise: not counted, as in model FLOPs.
+# are Megatron's MoE modules, ledger.experts.MODULE_TAGS), beside what every selective
+# policy re-runs whichever modules it names (`base`). Norms, RoPE and the SwiGLU product are
+# elementwise: not counted, as in model FLOPs. The causal count is a flash kernel's, the
+# full square XLA's core's (as estimate.py pairs them); measured against both compiled
+# programs (tests/test_remat.py; a flash kernel's re-run forward on the H100 compile).
 def _module_flops(model: ModelConfig, seq_len: int, causal: bool,
-                  rows_per_token: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
+                  rows_per_token: float = 0.0) -> tuple[dict[str, float], dict[str, float],
+                                                         float, float]:
     h, F = model.hidden_size, model.mlp_size
     attn = 4.0 * latent.attention_width(model) * seq_len * _attention_fraction(causal)
+    # The core's internals carry no tag, so every selective policy re-runs them: a flash
+    # kernel's forward (QK^T and PV: its logsumexp is not saved), or XLA's QK^T and softmax
+    # (the probabilities' backward reads them; the context is kept unless core_attn_out).
+    base = attn if causal else attn / 2
     shared = {"layer_input": 0.0, "attn_norm": 0.0, "mlp_norm": 0.0, "layernorm": 0.0,
               **latent.projection_flops(model),   # qkv_proj, mla_up_proj
-              "core_attn": attn, "core_attn_out": attn,   # QK^T and PV (remat.MODULES)
+              "core_attn": 0.0, "core_attn_out": 0.0 if causal else attn / 2,
               "attn_out": 2.0 * model.num_heads * model.v_head_dim * h}
-    mlp = {"mlp_act": 0.0, "mlp_in": 4.0 * h * F, "mlp_out": 2.0 * F * h, "mlp": 6.0 * h * F}
+    # the down projection's output feeds nothing the backward needs: mlp re-runs gate and up
+    mlp = {"mlp_act": 0.0, "mlp_in": 4.0 * h * F, "mlp_out": 0.0, "mlp": 4.0 * h * F}
     fe, fs, r = model.expert_mlp_size, model.shared_mlp_size, rows_per_token
     # moe_out and moe re-run the down projection: the router weights' gradient reads its rows.
     # The router's GEMM (2·h·E) re-runs under every selective policy, as the attention core's
     # insides do (its untagged logits feed the softmax's backward): no module's own.
+    router = 2.0 * h * model.moe.num_experts if model.moe else 0.0
     moe = {"moe_router": 0.0, "moe_in": 4.0 * h * fe * r, "moe_act": 0.0,
            "moe_out": 2.0 * fe * h * r, "moe": 6.0 * h * fe * r,
            "shared_in": 4.0 * h * fs, "shared_act": 0.0, "shared_out": 2.0 * fs * h,
            "shared_experts": 4.0 * h * fs}
     dense = {**shared, **mlp, **dict.fromkeys(moe, 0.0)}
-    return dense, {**shared, **dict.fromkeys(mlp, 0.0), **moe}
+    return dense, {**shared, **dict.fromkeys(mlp, 0.0), **moe}, base, base + router
 
 
 def layer_forward_flops_per_token(model: ModelConfig, seq_len: int, *,
@@ -217,8 +227,9 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
     """Extra forward FLOPs per token that the remat config re-runs in the backward pass.
 
     Full: one forward of each recomputed layer, 2·(layer params) + 4·(H·E)·s, less the last
-    projection a one-layer checkpoint drops (_dead_last_matmul_flops). Selective: the
-    forward of each listed module in every layer ("core_attn": the score/softmax/PV part).
+    projection a one-layer checkpoint drops (_dead_last_matmul_flops). Selective: in every
+    layer what every selective policy re-runs (the attention core's untagged insides) and the
+    forward of each listed module (_module_flops).
     """
     remat = remat or cfg.remat
     seq_len = seq_len or cfg.train.seq_len
@@ -243,13 +254,15 @@ def recompute_flops_per_token(cfg: Config, remat: RematConfig | None = None,
             n_dropped = 0.0
         return (n * layer_forward_flops_per_token(m, seq_len, causal=causal) - n_dropped
                 + m.mtp_depths * (mtp_block - dense_down))
-    dense, moe = _module_flops(m, seq_len, causal, expert_rows_per_token(m))
+    dense, moe, base, moe_base = _module_flops(m, seq_len, causal, expert_rows_per_token(m))
     unknown = [x for x in remat.modules if x not in dense]
     if unknown:
         raise ConfigError(f"remat.modules has unknown {unknown}; known: {', '.join(dense)}")
-    return sum(n * sum(table[x] for x in set(remat.modules))
-               for n, table in ((counts.dense_layers + m.mtp_depths, dense),
-                                (counts.moe_layers, moe)))
+    # offloaded modules come back from host memory: only the base re-runs
+    listed = () if remat.offload else set(remat.modules)
+    return sum(n * (b + sum(table[x] for x in listed))
+               for n, table, b in ((counts.dense_layers + m.mtp_depths, dense, base),
+                                   (counts.moe_layers, moe, moe_base)))
 
 
 def _dead_last_matmul_flops(m: ModelConfig) -> tuple[float, float]:

@@ -27,8 +27,9 @@ Conventions (docs/design.md §5):
   without full recompute (jax's partial evaluation of a conditional re-emits its operands).
 - Static with stages: every rank holds v chunks of the largest chunk's layers (uneven stages
   are padded to it) and one vocab table row (rank 0 the embedding, rank p-1 the head and the
-  final norm: the pipeline executor's edge rows) for its compute copy and gradient accumulator; the
-  fp32 masters and Adam moments of both tables stay replicated over stage.
+  final norm: the pipeline executor's edge rows) for its compute copy and gradient
+  accumulator; the fp32 masters and Adam moments of both tables and the norm are split over
+  stage (1/p per rank, Megatron's N/(t·p) on average; state_params_local).
 - Budget: static + activations + reserve must fit in 90% of device memory.
 """
 from __future__ import annotations
@@ -176,10 +177,20 @@ def params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> 
 
 
 def state_params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> float:
-    """Parameters whose fp32 master and Adam moments one device holds: with stages its layers
-    and both vocab tables (replicated over stage)."""
-    return (_layers_local(cfg, layout, stage_layers) + vocab_params_local(cfg, layout.tensor)
+    """Parameters whose fp32 master and Adam moments one device holds: its layers, and with
+    stages 1/p of both vocab tables and the final norm (the masters of what the compute copy
+    has replicated over stage split over it: parallel/sharding.stage_state_axis; with Megatron
+    N/(t·p) on average over the ranks)."""
+    return (_layers_local(cfg, layout, stage_layers)
+            + vocab_params_local(cfg, layout.tensor) / vocab_state_shards(cfg, layout)
             + mtp_params_local(cfg, layout.tensor))
+
+
+def vocab_state_shards(cfg: Config, layout: Layout) -> int:
+    """Over how many stage ranks the vocab tables' masters and moments split: p where a tensor
+    rank's vocab rows divide by it (the largest dim takes `stage`), else 1 (replicated)."""
+    rows = padded_vocab(cfg.model.vocab_size, layout.tensor) // layout.tensor
+    return layout.stage if rows % layout.stage == 0 else 1
 
 
 def mtp_params_local(cfg: Config, tensor: int) -> float:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import compat
 from jaxtrain.parallel.mesh_axes import (CONTEXT, DATA, EXPERT, MESH_AXES, REPLICA_AXES,
-                                         ROW_AXES)
+                                         ROW_AXES, STAGE)
 from jaxtrain.config import Config, ParallelConfig, expert_from_data
 from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
 
@@ -131,22 +131,37 @@ def logical_axes(abstract_state):
 
 
 def param_specs(logical_tree, shape_tree, mesh: Mesh, *, zero1: bool = False,
-                folded: bool = False):
+                folded: bool = False, state: bool = False):
     """Mesh PartitionSpecs for parameter-shaped arrays; with `zero1`, also sharded over the
-    data-parallel group (data x context); `folded`: the experts by FOLDED_RULES."""
+    data-parallel group (data x context); `folded`: the experts by FOLDED_RULES. `state`: the
+    specs of the fp32 masters and the optimizer state, which under pipeline stages also split
+    over `stage` what the compute copy has replicated over it (`stage_state_axis`)."""
     def one(names, x):
         spec = logical_to_spec(tuple(names), x.shape, mesh, params=True, folded=folded)
-        return add_data_axis(spec, x.shape, mesh) if zero1 else spec
+        # `stage` minor to ZeRO-1's group, on the same dim: a master shard is then a block of
+        # the data-reduced gradient's shard (the gradient reduce-scatters over data, then over
+        # stage; with stage major XLA all-reduced whole tables over stage)
+        group = (replica_axes(mesh) if zero1 else ()) + (
+            stage_state_axis(spec, mesh) if state else ())
+        return add_axes(spec, x.shape, mesh, group)
     return jax.tree.map(one, logical_tree, shape_tree, is_leaf=lambda x: isinstance(x, P))
 
 
-def add_data_axis(spec: P, shape, mesh: Mesh) -> P:
-    """ZeRO-1: shard a (parameter-shaped) optimizer array over the data-parallel group as well
-    (`data`, `expert` and `context`, whose ranks hold the same parameters: Megatron's
-    distributed optimizer; the experts' own group leaves out `expert`, which splits them), on
-    the first dim that is divisible; arrays with no such dim stay replicated."""
+def stage_state_axis(spec: P, mesh: Mesh) -> tuple[str, ...]:
+    """(`stage`,) when the mesh has stages and a parameter's compute spec leaves it whole over
+    them (the vocab tables and the final norm: the pipeline executor computes them on its edge
+    ranks only), else (). Such a parameter's master and optimizer state are split over `stage`
+    for storage (1/p per rank where Megatron keeps them on the first and last stage) and its
+    compute copy is gathered once per step, when the step casts the masters."""
     used = {a for axes in spec for a in flat_axes(axes)}
-    group = tuple(a for a in replica_axes(mesh) if a not in used)
+    return (STAGE,) if mesh.shape.get(STAGE, 1) > 1 and STAGE not in used else ()
+
+
+def add_axes(spec: P, shape, mesh: Mesh, axes: tuple[str, ...]) -> P:
+    """`spec` also split over those of `axes` it does not use yet (ranks that hold the same
+    values), on the first dim that is divisible; arrays with no such dim stay as they are."""
+    used = {a for axes in spec for a in flat_axes(axes)}
+    group = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
     n = math.prod(mesh.shape[a] for a in group)
     if n == 1:
         return spec

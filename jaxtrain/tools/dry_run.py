@@ -112,7 +112,7 @@ def dp_terms(cfg: Config, L: Layout, dp_payload: float) -> list[tuple[tuple, flo
     if L.expert == 1:
         return [(group, dp_payload, L.data * L.context)]
     stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
-    dense, routed = comm.dp_split(L, memory.state_params_local(cfg, L, stage_layers),
+    dense, routed = comm.dp_split(L, memory.params_local(cfg, L, stage_layers),
                                   memory.expert_params_held(cfg, L, stage_layers))
     carved = L.data * L.context // experts.expert_data_ranks(L)   # the mesh's expert axis
     dense_axes = tuple(a for a in ("data", "expert", "context")
@@ -195,7 +195,7 @@ class DryRun:
         # The ledger's DP and FSDP volumes are payloads (§5: Megatron's 2·N for DP), of which
         # a ring moves (g-1)/g over g devices; its other terms are wire bytes already.
         ring = lambda g: (g - 1) / g  # noqa: E731
-        # The vocab tables' gradients reach every stage rank in an all-reduce over stage.
+        # The vocab tables' gradients reduce-scattered over stage, their copy gathered.
         ledger = {("tensor",): c["tp"], ("fsdp",): c["fsdp"] * ring(L.fsdp),
                   ("stage",): c["pp"] + c["vocab"]}
         for axes, payload, ranks in dp_terms(self.cfg, L, c["dp"]):

@@ -159,10 +159,10 @@ def _stage_comm_lines(r: DryRun, gb) -> list[str]:
                 what += f"; XLA:CPU carries {r.cfg.model.compute_dtype} as f32 (2x)"
         elif in_loop:
             what = f"{runs} runs inside the schedule loop"
-        elif kind == "all-reduce":
-            what = (f"after the loop, {mib(payload_total)}: the loss and the embedding/head "
-                    f"gradients to every stage rank (ledger vocab "
-                    f"{gb(e.comm_bytes['vocab']).strip()})")
+        elif kind in ("all-reduce", "reduce-scatter", "all-gather"):
+            what = (f"after the loop, {mib(payload_total)}: the loss, the embedding/head "
+                    f"gradients to their masters' stage shards and the compute copy gathered "
+                    f"(ledger vocab {gb(e.comm_bytes['vocab']).strip()})")
         else:
             what = (f"outside the loop, {mib(payload_total)}: layers moved between their "
                     "stored order and the chunks'")

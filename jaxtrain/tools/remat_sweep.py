@@ -83,7 +83,7 @@ def ledger_estimates(cfg: Config, mesh, gpu=None) -> tuple[float | None, float |
         est = estimate(cfg, layout, gpu, remat=r)
         # Full s×s attention on both sides: the compiled overhead it is shown next to runs
         # XLA's attention, which computes the masked half too.
-        recompute = 0.0 if r.offload else ledger_flops.recompute_flops_per_token(
+        recompute = ledger_flops.recompute_flops_per_token(
             cfg, r, est.stage_layers, layout.virtual_stages, causal=False)
     except ConfigError as err:
         log.warning("ledger estimate unavailable for %s: %s", remat.label(r), err)
