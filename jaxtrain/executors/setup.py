@@ -154,8 +154,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                                                                folded(cfg, mesh)),
                          grouped_dot=grouped_dot_for(cfg.model, mesh, folded(cfg, mesh))[0],
                          run_layer=remat.single_layer_runner(cfg.remat),
-                         collective_matmul=collective_matmul.collective_matmul_for(cfg.parallel,
-                                                                                   mesh))
+                         collective_matmul=collective_matmul.collective_matmul_for(
+                             cfg.parallel, mesh, cfg.remat.granularity == "full"))
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:
