@@ -1,12 +1,13 @@
 """Communication of the train step compiled for compile-only H100s (no GPU needed).
 
-    JAX_PLATFORMS=cpu python bench/comm_gpu.py [--layouts fsdp8_uniform1 ...] [--json OUT]
+    JAX_PLATFORMS=cpu python bench/comm_gpu.py [--layouts fsdp8_uniform1 ...] [--fp8] [--json OUT]
 
 The shapes of issue 13's comparison with MaxText: an 8-layer Llama 3 8B, fp32 masters, bf16
 compute, seq 4096, on 8 compile-only H100s (the real XLA:GPU compiler; jaxtrain.tools.targets).
 For each layout: ring wire bytes per step by kind and mesh axis, temporaries, collectives per
 layer per microbatch (inside the layer loop), and the static overlap (wire bytes with compute
-scheduled between an async collective's start and done).
+scheduled between an async collective's start and done). `--fp8`: every layer in FP8
+(`fp8.bf16_first_layers=0`, `bf16_last_layers=0`; issue 30's FSDP gather check).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from jaxtrain.tools.compile_step import compile_step  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 
 MODEL = ["--model.num_layers=8", "--train.seq_len=4096", "--model.attention=auto"]
+ALL_FP8 = ["--fp8.enabled=true", "--fp8.bf16_first_layers=0", "--fp8.bf16_last_layers=0"]
 FSDP8 = ["--parallel.data=1", "--parallel.fsdp=8", "--parallel.tensor=1",
          "--parallel.sequence_parallel=false", "--parallel.zero1=false",
          "--parallel.microbatches=1", "--train.global_batch=8"]
@@ -75,13 +77,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--attention", default="auto", help="model.attention (auto: pallas on GPU)")
+    ap.add_argument("--fp8", action="store_true", help="every layer in FP8")
     ap.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
                     help="an XLA compile option on top of the defaults (repeatable)")
     args = ap.parse_args(argv)
     options = dict(xla_flags.parse_option(o, "--xla") for o in args.xla)
     rows = []
     for name in args.layouts:
-        r = measure(name, [f"--model.attention={args.attention}"], options)
+        r = measure(name, [f"--model.attention={args.attention}", *(ALL_FP8 if args.fp8 else [])],
+                    options)
         rows.append(r)
         print(f"{name:16} wire {r['wire_bytes'] / 1e9:8.3f} GB  all-gather "
               f"{r['all_gather_wire_bytes'] / 1e9:8.3f} GB  temp {r['temp_bytes'] / 2**30:6.2f} "

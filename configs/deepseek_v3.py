@@ -22,23 +22,23 @@ ledger prices the layout as Megatron runs it and its notes say it is refused). T
 Megatron's layout table runs it on 1024 GPUs as TP2 PP16 EP64. TP2 PP16 leaves data 32, so
 EP64 needs MoE parallel folding (parallel.expert_tensor=1: 32 expert ranks carved out of data x
 the 2 tensor ranks, each expert whole); the ledger says that does not fit dropless either:
-16-27% MFU at 82.1 of 72 GiB (its receive buffers hold 64 x top_k rows of the whole expert per
+16-27% MFU at 81.8 of 72 GiB (its receive buffers hold 64 x top_k rows of the whole expert per
 dispatched token). The configured layout is the nearest that does less badly: tensor 2 with sequence
 parallelism, stage 16 (15 stages of 4 layers and a last of 1), expert 32, 256 microbatches of
 one 4096-token sequence (global batch 8192), ZeRO-1, full recompute, dropless. The ledger
 (`python -m jaxtrain.plan --config configs/deepseek_v3.py --devices 1024 --gpu h100`, the
-configured row) says it does not fit: 11-19% MFU at 76.7 of 72 GiB, of which 36.4 GiB
+configured row) says it does not fit: 11-19% MFU at 76.3 of 72 GiB, of which 36.4 GiB
 activations. The term is the dropless dispatch's static worst case: the executor's shapes are
 static, so a rank's expert buffers hold top_k x expert = 256 rows per token where 8 arrive on
 average. The 32 stashed chunk inputs take 3.5 GiB; the one layer a backward re-materialises
 takes 32.8 GiB, almost all of it the expert rows at that size; the reserve adds the all-to-all's
 send and receive buffers, 14.4 GiB of dispatch buffers. With the padded capacity buffers
 (model.moe.dispatch=capacity, pad_to_capacity=true: 8 rows per token, tokens past an expert's
-even share dropped) the layout fits: 11-19% MFU at 45.3 of 72 GiB. At expert 8 it fits dropless:
-11-20% MFU at 57.5 of 72 GiB. Its all-to-all moves 2658.5 GB per device per step over the NIC
+even share dropped) the layout fits: 11-19% MFU at 45.0 of 72 GiB. At expert 8 it fits dropless:
+11-20% MFU at 57.2 of 72 GiB. Its all-to-all moves 2658.5 GB per device per step over the NIC
 (32 expert ranks x tensor 2 span 8 nodes): 53 s of a 8.3 s ideal step, which caps the MFU;
 DeepSeek's node-limited routing, which bounds that traffic, is not modelled. The planner's own
-pick: tensor 4, stage 16, expert 8 folded, remat full(uniform,1), 29-45% MFU at 64.4 of 72 GiB.
+pick: tensor 4, stage 16, expert 8 folded, remat full(uniform,1), 29-45% MFU at 64.1 of 72 GiB.
 """
 from jaxtrain.config import Config, MlaConfig, ModelConfig, MoeConfig, TrainConfig
 

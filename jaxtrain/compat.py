@@ -28,6 +28,15 @@ def dead_code_removed(closed_jaxpr):
     return core.ClosedJaxpr(jaxpr, closed_jaxpr.consts)
 
 
+def unused_inputs_removed(closed_jaxpr):
+    """(`closed_jaxpr` without dead code and without the inputs no output depends on, a bool
+    per original input: kept)."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+    jaxpr, used = pe.dce_jaxpr(closed_jaxpr.jaxpr, [True] * len(closed_jaxpr.jaxpr.outvars))
+    return core.ClosedJaxpr(jaxpr, closed_jaxpr.consts), tuple(used)
+
+
 def jaxpr_as_fun(closed_jaxpr):
     """A ClosedJaxpr as a function of its flat inputs (to lower it again)."""
     from jax._src import core

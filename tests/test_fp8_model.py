@@ -186,11 +186,16 @@ def test_full_remat_gives_the_same_meta_as_no_remat(one_device):
     assert [s[0] for s in got] == [s[0] for s in ref]
 
 
-def test_data_tensor_fsdp_layout_equals_one_device(one_device):
+@pytest.mark.parametrize("layout", [
+    ("--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
+     "--parallel.sequence_parallel=true", "--parallel.microbatches=2"),
+    # the kernels cast on their FSDP shard and gathered in FP8, once for the recompute and
+    # the backward (sharding.WeightGather), split over tensor as they were
+    ("--parallel.data=1", "--parallel.fsdp=4", "--parallel.tensor=2", "--remat.granularity=full",
+     "--remat.method=uniform", "--remat.num_layers=1")], ids=["data_fsdp_tensor_sp", "fsdp_remat"])
+def test_data_tensor_fsdp_layout_equals_one_device(one_device, layout):
     ref, params0, _ = one_device
-    got, *_ = _grad_steps(["--parallel.data=2", "--parallel.fsdp=2", "--parallel.tensor=2",
-                           "--parallel.sequence_parallel=true", "--parallel.microbatches=2"],
-                          jax.devices(), params0)
+    got, *_ = _grad_steps(list(layout), jax.devices(), params0)
     _assert_fp8_steps_match(got, ref)
 
 

@@ -16,7 +16,8 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxtrain.model import fp8_matmul
 from jaxtrain.tools import gpu_kernels, gpu_program, hlo, hlo_module
-from jaxtrain.config import Fp8Config
+from jaxtrain.config import Fp8Config, padded_vocab
+from jaxtrain.ledger.flops import param_counts
 from jaxtrain.model.kernels import flash_attention
 from gpu_compile_util import (CUDNN_TARGET, FLASH_KERNELS, LAYOUTS, MOSAIC_KERNELS, assert_fit,
                               compile_tiny)
@@ -118,6 +119,44 @@ def test_fp8_gemms_take_their_scales_in_fp32(h100):
     for g in gemms:
         assert g.result == "bf16" and len(g.scales) == 2, g
         assert all("f32" in types and "bf16" not in types for types in g.scales), g
+
+
+FSDP_REMAT = ("--parallel.data=1", "--remat.granularity=full", "--remat.method=uniform",
+              "--remat.num_layers=1", "--model.attention=xla")
+ALL_FP8 = ("--fp8.enabled=true", "--fp8.bf16_first_layers=0", "--fp8.bf16_last_layers=0")
+
+
+def _fsdp_gather_bytes(out):
+    """Payload bytes per step of the all-gathers over fsdp alone, and the dtypes they move."""
+    gathers = [c for c in hlo.collectives_from_text(out.text, out.mesh)
+               if c.kind == "all-gather" and c.axes == ("fsdp",)]
+    dtypes = {d for c in gathers for d in re.findall(r"(\w+)\[", c.shape)}
+    return sum(c.bytes_per_step for c in gathers), dtypes
+
+
+@pytest.mark.parametrize("layout", [("--parallel.fsdp=8",),
+                                    ("--parallel.fsdp=4", "--parallel.tensor=2")])
+def test_fsdp_gathers_fp8_weights_once_for_the_recompute_and_the_backward(h100, layout):
+    """FSDP with every layer in FP8 and full remat: each layer's weights are gathered twice
+    (forward; recompute and backward together), in FP8, and the head once in bf16 (the
+    embedding never moves; its lookup gathers the int32 token ids): the floor of FSDP. The
+    bf16 program gathers the same, at 2 bytes a weight. Before, the projections that share
+    their input (q/k/v, gate/up) were cast again in their backward's re-trace and gathered
+    once more: 3 gathers a layer."""
+    bf16 = compile_tiny(h100, *FSDP_REMAT, *layout)
+    fp8 = compile_tiny(h100, *FSDP_REMAT, *layout, *ALL_FP8)
+    cfg = bf16.setup.cfg
+    m, t = cfg.model, bf16.mesh.shape["tensor"]
+    per = param_counts(m).per_layer
+    layer_weights = sum(n for k, n in per.items() if k != "norms") / t  # norms: replicated
+    head = m.hidden_size * padded_vocab(m.vocab_size, t) / t * 2
+    ids = cfg.train.global_batch * cfg.train.seq_len * 4
+    floor = {w: m.num_layers * 2 * layer_weights * w + head + ids for w in (1, 2)}
+    got_bf16, bf16_dtypes = _fsdp_gather_bytes(bf16)
+    got_fp8, fp8_dtypes = _fsdp_gather_bytes(fp8)
+    assert got_bf16 == floor[2], (got_bf16, floor)
+    assert bf16_dtypes == {"bf16", "s32"} and fp8_dtypes == {"f8e4m3fn", "bf16", "s32"}
+    assert got_fp8 / got_bf16 <= floor[1] / floor[2], (got_fp8, floor)
 
 
 def _projection_temps(fn, *args):

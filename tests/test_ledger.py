@@ -8,8 +8,8 @@ import time
 import pytest
 
 from jaxtrain import ledger
-from jaxtrain.config import (Config, ModelConfig, ParallelConfig, RematConfig, TrainConfig,
-                             load_recipe)
+from jaxtrain.config import (Config, Fp8Config, ModelConfig, ParallelConfig, RematConfig,
+                             TrainConfig, load_recipe)
 from jaxtrain.ledger import comm, memory
 from jaxtrain.ledger.hardware import GiB
 
@@ -303,6 +303,28 @@ def test_comm_formulas_small_layout():
     assert comm.tp_bytes(cfg, layout, s, flat) == 10 * one * 8 * 4
     # Full recompute re-runs the forward collectives of the layers it recomputes.
     assert comm.layer_passes(layout, (8,), None, recomputed=1.0) == (64, 32)
+
+
+def test_fsdp_gathers_of_fp8_layers_move_one_byte_a_parameter():
+    """FP8 layers' projections are cast on their FSDP shard and gathered in FP8 (measured on
+    the H100 program: tests/test_gpu_compile.py's FSDP test); their gradients are still
+    reduce-scattered in the compute dtype, and bf16 first/last layers gather 2 bytes."""
+    cfg = _cfg_8b(data=1, fsdp=8, zero1=False)
+    layout = ledger.layout_from_config(cfg, 8)
+    layer = memory.layer_params_local(cfg, 1)
+    assert comm.fsdp_gather_bytes(cfg, layout, layer) == 2.0  # FP8 off
+    cfg.fp8 = Fp8Config(enabled=True, bf16_first_layers=0, bf16_last_layers=0)
+    assert comm.fsdp_gather_bytes(cfg, layout, layer) == 1.0
+    cfg.fp8 = Fp8Config(enabled=True, bf16_first_layers=8, bf16_last_layers=8)
+    assert comm.fsdp_gather_bytes(cfg, layout, layer) == 2.0 - 16 / 32  # 16 of 32 in FP8
+    passes = comm.Passes(forward=64, backward=32)
+    assert comm.fsdp_layer_bytes(layout, layer, passes, 1.5) == layer * (1.5 * 96 + 2 * 32)
+    est = ledger.estimate(cfg, layout, "h100")
+    bf16 = ledger.estimate(_cfg_8b(data=1, fsdp=8, zero1=False), layout, "h100")
+    # at 2 bytes a parameter, a gather per forward and per backward layer pass: the
+    # backward uses what its full-recompute forward gathered (one gather, on the H100 program)
+    gathers = layer * 2 * (32 + 32)
+    assert bf16.comm_bytes["fsdp"] - est.comm_bytes["fsdp"] == pytest.approx(gathers / 4)
 
 
 def test_links_follow_device_order():

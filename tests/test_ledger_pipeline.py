@@ -189,6 +189,18 @@ def test_virtual_stages_slice_their_chunks():
     assert est.static_breakdown["other"] == pytest.approx(2 * 2 * LAYER_LOCAL * 2)
 
 
+def test_without_tensor_or_fsdp_the_b_taps_its_gradients():
+    """Without tensor and fsdp sharding (executors/pipeline.fuses) the B adds each layer's
+    weight gradient into the accumulator: one layer's bf16 gradient, not the chunk's, and of
+    the virtual stages' chunk slices one at a time."""
+    cfg = small(virtual_stages=2, schedule="interleaved_1f1b", tensor=1,
+                sequence_parallel=False, data=4)
+    layer = (2 * H * H + 3 * H * F + 2 * H * 512 + 2 * H) * 2
+    static = estimate(cfg).static_breakdown
+    assert static["gradients"] == pytest.approx(layer)
+    assert static["other"] == pytest.approx(2 * layer)
+
+
 def test_tied_embeddings_hold_one_table_and_reduce_one_gradient():
     cfg = small()
     cfg.model = dataclasses.replace(cfg.model, tie_embeddings=True)

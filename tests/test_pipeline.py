@@ -391,6 +391,9 @@ def test_bad_inputs_raise_clear_errors():
         call(fns=FNS._replace(head_loss=row_losses))
     with pytest.raises(pl.PipelineError, match=r"must return \(objective, sums\)"):
         call(fns=FNS._replace(head_loss=lambda e, x, y: head_loss_fn(e["head"], x, y)))
+    untapped = jax.tree.map(lambda _: True, pparams["layers"])  # chunk_fn runs no taps
+    with pytest.raises(pl.PipelineError, match="did not tap"):
+        pl.pipelined_value_and_grad(**{**args, "fns": FNS._replace(taps=untapped)})
     with pytest.raises(pl.PipelineError, match="do not split"):
         pl.stack_stages(params["layers"], 4, 2)
     assert issubclass(pl.PipelineError, ValueError)

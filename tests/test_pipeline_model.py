@@ -153,6 +153,28 @@ def test_pipelined_step_equals_unpipelined(name):
     assert max_diff(grads, ref_grads) < TOL
 
 
+def test_the_b_taps_its_weight_gradients_and_equals_the_b_that_returns_them(monkeypatch):
+    """Dense layers without tensor or fsdp sharding are tapped (the B adds each layer's
+    weight gradient into the rank's fp32 accumulator; the modes are not); the same layout
+    with a B that returns its chunk's gradient (taps off) gives the same gradients to float
+    rounding. With tensor parallelism the B is not tapped."""
+    name = "interleaved_p2_v2_m4_selective_data4"
+    setup, loss, _, grads, *_ = pipelined(name)
+    pm = pipeline_executor.build(setup)
+    taps = pm.taps(nnx.to_pure_dict(setup.abstract_state)["blocks"])
+    assert all(jax.tree.leaves(taps[0])) and taps[1] is False
+    tensor = pipelined("interleaved_p2_v2_m4_tensor2_sp_data2_zero1")[0]
+    assert pipeline_executor.build(tensor).taps(taps[0]) is None
+    monkeypatch.setattr(pipeline_executor.PipelineModel, "taps", lambda self, chunks: None)
+    params, batch = reference(*_model_flags(name))[:2]
+    plain = build_setup(tiny_config(*BASE, *LAYOUTS[name]), jax.devices())
+    args = place(plain, params, batch)
+    out = compile_fast(step.loss_and_grads(plain), *args)(*args)
+    assert abs(float(out.loss) - loss) < TOL
+    assert max_diff(layer_order.convert(jax.device_get(out.grads), plain.layer_order,
+                                        LayerOrder.natural(4)), grads) < TOL
+
+
 def test_data_parallel_reduction_happens_once_after_the_schedule_loop():
     """hlo finds no data-parallel collective inside the schedule loop: each data replica keeps
     its own gradient sums and the step all-reduces them over `data` once, after the loop."""

@@ -33,7 +33,9 @@ stage > 1), bound by `Setup.bind`. How the model maps onto the executor:
 - head: final norm + lm_head + model/loss.py's token loss on (targets, loss_mask): the
   objective the schedule differentiates and the LossSums it adds up.
 
-The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once, after
+A B adds each layer's weight gradient into the rank's fp32 accumulator as its backward
+makes it (`taps`: the layer runner's grad_accumulation taps, where `fuses`: dense stacks
+without context, tensor or fsdp sharding), so no chunk-sized bf16 gradient is held. The gradients come from pipeline.pipelined_value_and_grad (fp32, reduced over data once, after
 the loop: a reduce-scatter where ZeRO-1 shards them; the FP8 converter's rule for the metas'
 observations), mapped back to the params through split_params' transpose. Microbatches:
 setup.split_microbatches of the global batch on the mesh, [B, S] (sharded over data x fsdp)
@@ -53,6 +55,7 @@ from flax import nnx
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxtrain.executors import replica
 from jaxtrain.executors.contract import Sums
 from jaxtrain.executors.setup import Setup, split_microbatches
 from jaxtrain.ledger.layout import stage_layer_counts
@@ -107,6 +110,22 @@ class PipelineModel:
             return None if d is None else d + 2
         paths, structure = jax.tree_util.tree_flatten_with_path(chunks)
         return jax.tree.unflatten(structure, [dim(path) for path, _ in paths]), None
+
+    def taps(self, chunks):
+        """The executor's Fns.taps for (chunks, modes), given the chunks' layer states: per
+        leaf, whether the B adds its gradient into the fp32 accumulator layer by layer (the
+        layers' parameters; not their FP8 metas, not the modes) where `fuses`; else None
+        (each B's chunk gradient is added after it)."""
+        if not fuses(self.setup.cfg):
+            return None
+        params = {tuple(k.key for k in path) for path, _ in
+                  jax.tree_util.tree_flatten_with_path(self.setup.logical["blocks"],
+                                                       is_leaf=lambda x: isinstance(x, P))[0]}
+
+        def tapped(path):
+            return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)) in params
+        paths, structure = jax.tree_util.tree_flatten_with_path(chunks)
+        return jax.tree.unflatten(structure, [tapped(path) for path, _ in paths]), False
 
     def _with_stats(self, sums):
         """The head's LossSums, with the chunks' MoeStats (summed over every F) as its aux."""
@@ -216,7 +235,7 @@ class PipelineModel:
         mbs = split_microbatches(batch, self.schedule.microbatches, self.mesh)
         chunks, edge = self.split_params(params, metas)
         fns = pl.Fns(functools.partial(self.chunk_fn, mode=self.uniform_mode(use_fp8)),
-                     self.head_loss_fn, self.embed_fn)
+                     self.head_loss_fn, self.embed_fn, self.taps(chunks))
         args = (fns, (chunks, self.modes(use_fp8)), edge, {"inputs": mbs["inputs"]},
                 {k: mbs[k] for k in HEAD_AUX_KEYS}, {k: mbs[k] for k in CHUNK_AUX_KEYS})
         return args, metas
@@ -243,6 +262,18 @@ class PipelineModel:
         return self._with_stats(pl.pipelined_forward(
             *args, schedule=self.schedule, mesh=self.mesh, bubble_fill=bubble_fill,
             expert_dims=self.expert_dims(args[1][0])))
+
+
+def fuses(cfg) -> bool:
+    """Whether a B adds each layer's weight gradient into the accumulator as its backward
+    makes it: where replica.fuses, and without tensor or fsdp sharding. With either (axes
+    left automatic inside the executor's switches) the GPU compiler copies the fused
+    accumulator in the B switch's pass-through branches, a whole fp32 accumulator more than
+    it saves (tiny bf16 step, 8 layers, stage 2 x tensor 2, v 2: 847.4 MiB fused, 730.8
+    unfused; the 70B recipe at 16 layers, TP8: 16.4 vs 13.1 GiB); cause not found yet.
+    ledger.memory prices the same choice."""
+    par = cfg.parallel
+    return replica.fuses(cfg) and par.tensor == 1 and par.fsdp == 1
 
 
 def build(setup: Setup) -> PipelineModel:

@@ -133,10 +133,12 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
     """The model's injected ops for `cfg` on `mesh` (None: one device, no constraints).
     `constrain_weights=False` leaves weights to GSPMD (the pipeline executor's per-rank
     conditionals)."""
-    constrain = model_lib.identity_constrain
+    constrain = gather_weight = model_lib.identity_constrain
     if mesh is not None:
         constrain = sharding.ActivationSharding(mesh, cfg.parallel.sequence_parallel,
                                                 constrain_weights=constrain_weights)
+        if constrain_weights:
+            gather_weight = sharding.WeightGather(mesh)
     attention = sharded_kernels.shard_attention(
         attention_lib.select(cfg.model, sharding.platform(mesh),
                              sharding.compute_capability(mesh)), mesh,
@@ -145,7 +147,8 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
               if mesh is not None and mesh.size > 1 else None)
     # the runners carry the replica executor's gradient accumulator when it opens one
     spans = remat.span_runner(cfg.remat)
-    return model_lib.Ops(constrain=constrain, attention=attention, embed_lookup=lookup,
+    return model_lib.Ops(constrain=constrain, gather_weight=gather_weight,
+                         attention=attention, embed_lookup=lookup,
                          run_layers=grad_accumulation.accumulating(remat.layer_runner(cfg.remat)),
                          fp8=Fp8Converter.of(cfg.fp8),
                          span_runner=lambda start, stop: grad_accumulation.accumulating(

@@ -11,7 +11,8 @@ Conventions (docs/design.md §5), N_local = parameters one device holds after TP
   largest chunk (idle ranks run none). Full recompute re-runs the forward (and its
   collectives) of the layers it recomputes in each backward pass; selective recompute
   re-runs no collective.
-- FSDP: per layer pass for the layers (a forward pass gathers N_layer·2, a backward one
+- FSDP: per layer pass for the layers (a forward pass gathers N_layer·2, N_layer·1 for FP8
+  layers' projections (cast on the shard, gathered in FP8), a backward one
   gathers and reduce-scatters); the head (and final norm) gathered once per step (outside
   the microbatch loop) and reduce-scattered per microbatch; the embedding table never moves
   (its lookup gathers token ids and trades activations: two all-to-alls of s·b·h·2 per
@@ -121,12 +122,30 @@ def fsdp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
     return head * 2 * (1 + layout.microbatches) + lookup * layout.microbatches
 
 
-def fsdp_layer_bytes(layout: Layout, layer_params: float, passes: Passes) -> float:
+def fsdp_layer_bytes(layout: Layout, layer_params: float, passes: Passes,
+                     gather_bytes: float = 2.0) -> float:
     """A layer's weights gathered in every forward pass, gathered and their gradient
-    reduce-scattered in every backward one (= fsdp_bytes of the layers without stages)."""
+    reduce-scattered (compute dtype) in every backward one (= fsdp_bytes of the layers without
+    stages); `gather_bytes` per parameter a gather moves (`fsdp_gather_bytes`)."""
     if layout.fsdp == 1:
         return 0.0
-    return layer_params * 2 * (passes.forward + 2 * passes.backward)
+    return layer_params * (gather_bytes * (passes.forward + passes.backward)
+                           + 2 * passes.backward)
+
+
+def fsdp_gather_bytes(cfg: Config, layout: Layout, layer_params: float) -> float:
+    """Bytes per layer parameter (averaged over the layers) that an FSDP gather moves: 2 (the
+    compute dtype), 1 for the projections of an FP8 layer, which are cast on their shard and
+    gathered in FP8 (model/fp8_matmul.py, parallel/sharding.WeightGather). MoE layers count
+    only their attention as FP8 (the grouped experts' gathers are not measured), and with
+    stages nothing is (the pipeline's per-rank branches take no weight constraint)."""
+    m, f = cfg.model, cfg.fp8
+    if not f.enabled or layout.stage > 1 or not layer_params:
+        return 2.0
+    fp8_layers = max(0, m.num_layers - f.bf16_first_layers - f.bf16_last_layers)
+    share = 1.0 if m.moe is None else min(
+        1.0, latent.attention_params_local(m, layout.tensor) / layer_params)
+    return 2.0 - share * fp8_layers / m.num_layers
 
 
 def tp_pass_bytes(cfg: Config, layout: Layout, seq_len: int) -> tuple[float, float]:

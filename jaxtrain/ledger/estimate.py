@@ -285,11 +285,14 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
     layer_local = memory.layer_params_local(cfg, L.tensor, L.expert, L.expert_tensor)
     # the forward passes full recompute adds (the backward reuses what they gather)
-    rerun = passes.forward - comm.layer_passes(L, stage_layers, ex).forward
+    plain = comm.layer_passes(L, stage_layers, ex)
+    rerun = passes.forward - plain.forward
     # DP: each rank reduces the gradients it computed: its layers and, with stages, its edge
     # row (the executor reduces the rows over data before they reduce-scatter over stage)
     volumes = {"dp": comm.dp_bytes(L, n_local, n_expert),
-               "fsdp": comm.fsdp_layer_bytes(L, layer_local, passes)
+               # a re-run forward gathers the weights its backward then uses (one gather)
+               "fsdp": comm.fsdp_layer_bytes(L, layer_local, plain,
+                                             comm.fsdp_gather_bytes(cfg, L, layer_local))
                + comm.fsdp_rest_bytes(cfg, L, seq),
                # re-run forwards' TP savings counted on the unpipelined step (the 128k
                # recipe: 6 all-gathers + 5 reduce-scatters per layer per microbatch); the

@@ -3,8 +3,9 @@
 Conventions (docs/design.md §5):
 - Static, by term (STATIC_TERMS): weights (bf16 copy) 2 + gradients (unpipelined: one layer's
   bf16 gradient, added into the accumulator as the backward makes it, or under context
-  parallelism and MoE the stack's 2 when microbatches add up; pipelined: the B's chunk
-  gradient) + fp32 accumulator 4 + fp32 master 4
+  parallelism and MoE the stack's 2 when microbatches add up; pipelined: one layer's too,
+  or the B's chunk gradient where the unpipelined step would not fuse) + fp32 accumulator 4
+  + fp32 master 4
   + Adam moments 8 bytes per parameter held, the FP8 metas, other (FSDP's gathered layers,
   the pipeline's chunk slices); ZeRO-1 divides the 12 optimizer bytes by data (x context),
   FSDP divides all of them by the fsdp degree (plus two gathered layers in flight).
@@ -73,7 +74,7 @@ def held_bytes_per_param(layout: Layout) -> dict[str, float]:
     compute-dtype gradient of the whole stack: the unpipelined step adds each layer's into the
     accumulator as its backward makes it (parallel/grad_accumulation.py, Megatron's
     gradient_accumulation_fusion), leaving one layer's (`static_bytes`; not under context
-    parallelism: executors/replica.fuses); the pipeline's B still makes its chunk's
+    parallelism: executors/replica.fuses); so does the pipeline's B
     (`pipeline_static_bytes`)."""
     f = layout.fsdp
     # Megatron's distributed optimizer shards over the data-parallel group, which includes the
@@ -388,16 +389,21 @@ def chunk_weight_copy_bytes(cfg: Config, layout: Layout, remat: RematConfig,
 def pipeline_static_bytes(cfg: Config, layout: Layout, remat: RematConfig,
                           stage_layers: tuple[int, ...], chunk_layers: int) -> dict[str, float]:
     """A chunk's weights-sized temporaries of an F or B (compute dtype, the GPU compiler's
-    buffer assignment), by static term: gradients, the B's gradient of its chunk before it
-    joins the fp32 accumulator (as the unpipelined layer scan's backward returns a
-    microbatch's at once); other, with virtual stages the F's and the B's slice of their chunk
-    out of the rank's v (a dynamic index: XLA copies it), and the copy a per-layer switch
-    makes (chunk_weight_copy_bytes)."""
-    weights = (chunk_layers * layer_params_local(cfg, layout.tensor, layout.expert,
-                                        layout.expert_tensor)
-               * DTYPE_BYTES[cfg.model.compute_dtype])
-    return {"gradients": weights,
-            "other": (weights * (2 if layout.virtual_stages > 1 else 0)
+    buffer assignment), by static term. gradients: where the B adds each layer's weight
+    gradient into the fp32 accumulator as its backward makes it (dense stacks without
+    context, tensor or fsdp sharding: executors/pipeline.fuses) one layer's in flight, else the B's gradient of its whole chunk before it joins the
+    accumulator. other: with virtual stages the chunk's slice out of the rank's v, which XLA
+    materialises as the operand of the chunk's layer loop (a static index too; one at a
+    time on the fused path: the F's and the B's are not live together; priced as two
+    unfused, as before), and the copy a per-layer switch makes (chunk_weight_copy_bytes)."""
+    layer = (layer_params_local(cfg, layout.tensor, layout.expert, layout.expert_tensor)
+             * DTYPE_BYTES[cfg.model.compute_dtype])
+    weights = chunk_layers * layer
+    fused = (layout.context == 1 and layout.tensor == 1 and layout.fsdp == 1
+             and not any(cfg.model.moe_layers))
+    slices = (1 if fused else 2) if layout.virtual_stages > 1 else 0
+    return {"gradients": layer if fused else weights,
+            "other": (weights * slices
                       + chunk_weight_copy_bytes(cfg, layout, remat, stage_layers,
                                                 chunk_layers))}
 

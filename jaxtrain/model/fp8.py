@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import Fp8Config
-from jaxtrain.model.fp8_matmul import (Fp8Error, Fp8Meta, Recipe, TensorMeta,
-                                       amax_and_scale_update, fp8_dot_general, fp8_max,
-                                       init_meta, is_fp8_meta, recipe_of)
+from jaxtrain.model.fp8_matmul import (CastKernel, Fp8Error, Fp8Meta, Recipe, TensorMeta,
+                                       amax_and_scale_update, cast_kernel, fp8_dot_general,
+                                       fp8_max, init_meta, is_fp8_meta, recipe_of)
 
 
 class Fp8MetaState(nnx.Variable):
@@ -94,15 +94,27 @@ class Fp8Converter:
         return None if variable is None else variable.get_value()
 
     def project(self, x, w, dims, meta: Optional[Fp8Meta], *, fp8: bool,
-                dot_general: Callable, name: str) -> jax.Array:
+                dot_general: Callable, name: str, gather: Optional[Callable] = None,
+                cast: Optional[CastKernel] = None) -> jax.Array:
         """A projection's matmul: in FP8 when `fp8` (x the E4M3 activation, w the E4M3 kernel,
-        gradients E5M2), else the model's `dot_general`."""
+        gradients E5M2), else the model's `dot_general`. `gather(w)`: the kernel as the GEMM
+        reads it (FSDP's all-gather, `Ops.gather_weight`), applied to the FP8-cast kernel;
+        `cast`: the kernel already cast (`cast_kernel`), else cast here."""
         if not fp8:
             return dot_general(x, w, dims)
         if self.recipe is None or meta is None:
             raise Fp8Error(f"{name}: fp8=True but the model was built without FP8 (no FP8 "
                            "meta); set fp8.enabled=true")
-        return fp8_dot_general(x, w, dims, meta=meta, cfg=self.recipe, name=name)
+        return fp8_dot_general(x, w, dims, meta=meta, cfg=self.recipe, name=name,
+                               gather_rhs=gather, cast=cast)
+
+    def cast_kernel(self, w, meta: Optional[Fp8Meta], *, fp8: bool) -> Optional[CastKernel]:
+        """The kernel of an FP8 projection cast to FP8 on its shard (fp8_matmul.cast_kernel),
+        None for a compute-dtype one: for a caller whose backward re-traces the projection, so
+        the re-trace reads the same FP8 kernel (and the same gather) as the forward."""
+        if not fp8 or self.recipe is None or meta is None:
+            return None
+        return cast_kernel(w, meta, self.recipe)
 
     # --------------------------------------------------------------- the meta state
 

@@ -219,6 +219,7 @@ class _Static(NamedTuple):
     rhs_dtype: Any
     lhs_varying: frozenset  # manual (shard_map) axes the operands vary over: their gradients'
     rhs_varying: frozenset
+    gather_rhs: Any         # the FP8 kernel as the GEMMs read it (FSDP's gather), or None
 
 
 def _step_scale(recipe: Recipe, amax, role: TensorMeta, q_dtype):
@@ -235,15 +236,45 @@ def _observation(amax, length) -> TensorMeta:
                       amax_history=jnp.zeros((length,), jnp.float32).at[0].set(amax))
 
 
-def _fp8_fwd(st: _Static, lhs, rhs, meta: Fp8Meta):
+class CastKernel(NamedTuple):
+    """A kernel cast to FP8 (`cast_kernel`): E4M3 values in the kernel's own (FSDP-sharded)
+    layout, the scale_inv that reads them and the kernel's amax this step."""
+    q: jax.Array
+    scale_inv: jax.Array
+    amax: jax.Array
+
+
+def cast_kernel(rhs, meta: Fp8Meta, cfg: Fp8Config | Recipe) -> CastKernel:
+    """The kernel cast to FP8 where it lives: under FSDP on the rank's shard, with the delayed
+    scale (known before the step, so the cast needs no gather; current scaling takes the amax
+    first). The amax is the shard's max reduced over fsdp by the partitioner: exact. Constant
+    to autodiff: the kernel's gradient is the FP8 matmul's (its VJP returns dW for `rhs`)."""
+    r = recipe_of(cfg)
+    amax = _amax(rhs)
+    role = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), meta.w)
+    scale, scale_inv = _step_scale(r, amax, role, r.fwd_dtype)
+    return jax.lax.stop_gradient(CastKernel(quantize(rhs, scale, r.fwd_dtype), scale_inv, amax))
+
+
+def _fp8_fwd(st: _Static, lhs, rhs, meta: Fp8Meta, cast: CastKernel):
+    del rhs  # cast already holds it in FP8; rhs is there for its gradient
     r = st.recipe
-    amax_x, amax_w = _amax(lhs), _amax(rhs)
+    amax_x = _amax(lhs)
     sx, inv_x = _step_scale(r, amax_x, meta.x, r.fwd_dtype)
-    sw, inv_w = _step_scale(r, amax_w, meta.w, r.fwd_dtype)
-    qx, qw = quantize(lhs, sx, r.fwd_dtype), quantize(rhs, sw, r.fwd_dtype)
-    out = _scaled_dot(qx, qw, st.dimension_numbers, (inv_x, inv_w), st.out_dtype)
+    qx = quantize(lhs, sx, r.fwd_dtype)
+    qw, inv_w, amax_w = cast
+    out = _scaled_dot(qx, _gathered(st, qw), st.dimension_numbers, (inv_x, inv_w), st.out_dtype)
     res = (qx, qw, inv_x, inv_w, meta, amax_x, amax_w)
     return out, res
+
+
+def _gathered(st: _Static, qw):
+    """The FP8 kernel as the GEMMs read it: `gather_rhs` (FSDP's all-gather, of FP8 bytes) of
+    the cast shard. The residual is the shard; the backward gathers it with the same
+    constraint, which the partitioner shares with the recompute's gather of the same value
+    (one gather for the recompute and the backward under remat; without remat the gathered
+    kernel is not kept from the forward to the backward, as for a bf16 weight)."""
+    return qw if st.gather_rhs is None else st.gather_rhs(qw)
 
 
 def _fp8_bwd(st: _Static, res, g):
@@ -252,7 +283,8 @@ def _fp8_bwd(st: _Static, res, g):
     amax_g = _amax(g)
     sg, inv_g = _step_scale(r, amax_g, meta.g, r.bwd_dtype)
     qg = quantize(g, sg, r.bwd_dtype)
-    dx = _transpose_lhs(qg, qw, qx.ndim, st.dimension_numbers, (inv_g, inv_w), st.lhs_dtype)
+    dx = _transpose_lhs(qg, _gathered(st, qw), qx.ndim, st.dimension_numbers, (inv_g, inv_w),
+                        st.lhs_dtype)
     dw = _transpose_rhs(qg, qx, qw.ndim, st.dimension_numbers, (inv_x, inv_g), st.rhs_dtype)
     length = meta.g.amax_history.shape[-1]
     meta_ct = Fp8Meta(_observation(amax_x, length), _observation(amax_w, length),
@@ -260,7 +292,7 @@ def _fp8_bwd(st: _Static, res, g):
     meta_ct = jax.tree.map(lambda ct, m: _match_manual_axes(ct, varying_axes(m), jax.lax.pmax),
                            meta_ct, meta)
     return (_match_manual_axes(dx, st.lhs_varying, jax.lax.psum),
-            _match_manual_axes(dw, st.rhs_varying, jax.lax.psum), meta_ct)
+            _match_manual_axes(dw, st.rhs_varying, jax.lax.psum), meta_ct, None)
 
 
 def _match_manual_axes(ct, primal_varying: frozenset, reduce):
@@ -276,8 +308,8 @@ def _match_manual_axes(ct, primal_varying: frozenset, reduce):
     return jax.lax.pcast(ct, tuple(sorted(missing)), to="varying") if missing else ct
 
 
-_fp8_dot = jax.custom_vjp(lambda st, lhs, rhs, meta: _fp8_fwd(st, lhs, rhs, meta)[0],
-                          nondiff_argnums=(0,))
+_fp8_dot = jax.custom_vjp(
+    lambda st, lhs, rhs, meta, cast: _fp8_fwd(st, lhs, rhs, meta, cast)[0], nondiff_argnums=(0,))
 _fp8_dot.defvjp(_fp8_fwd, _fp8_bwd)
 
 
@@ -312,7 +344,8 @@ def _check(lhs, rhs, dimension_numbers, meta, name):
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     out_sharding=None, *, meta: Fp8Meta, cfg: Fp8Config | Recipe,
-                    name: str = "fp8_dot_general") -> jax.Array:
+                    name: str = "fp8_dot_general", gather_rhs=None,
+                    cast: CastKernel | None = None) -> jax.Array:
     """lax.dot_general in FP8: E4M3 x E4M3 forward, E5M2 (hybrid) x E4M3 gradients.
 
     `lhs` is the activation (role x), `rhs` the kernel (role w). With `meta`, `cfg` and `name`
@@ -320,7 +353,11 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     for jnp.einsum, which may swap the operands. `precision` is ignored (FP8 GEMMs have one);
     the output dtype is `preferred_element_type` or the inputs' result type. The cotangent for
     `meta` is this step's amax observation: the FP8 converter's (fp8.py) to combine and turn into
-    the next metas, never optax's.
+    the next metas, never optax's. `gather_rhs(q)`, when given, takes the kernel cast to FP8
+    on its own (FSDP) shard to the layout the GEMMs read (a sharding constraint: the FSDP
+    all-gather, then of FP8 bytes); it must not change values. `cast`: the kernel already
+    cast (`cast_kernel(rhs, meta, cfg)`), for a caller that re-traces the matmul in its own
+    backward and must read the same FP8 kernel (one gather, not a second cast and gather).
     """
     del precision
     if out_sharding is not None:
@@ -331,6 +368,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     _check(lhs, rhs, dimension_numbers, meta, name)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     st = _Static(dimension_numbers, recipe, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                 varying_axes(lhs), varying_axes(rhs))
+                 varying_axes(lhs), varying_axes(rhs), gather_rhs)
     meta = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), meta)
-    return _fp8_dot(st, lhs, rhs, meta)
+    cast = cast_kernel(rhs, meta, recipe) if cast is None else cast
+    return _fp8_dot(st, lhs, rhs, meta, cast)

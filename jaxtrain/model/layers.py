@@ -4,6 +4,8 @@ the SwiGLU product. The dense and the mixture-of-experts blocks (llama.py, moe.p
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -48,6 +50,7 @@ class Dense(nnx.Module):
         self.kernel = param(rngs, normal(std), (*in_shape, *out_shape), axes,
                             jnp.dtype(cfg.param_dtype))
         self.n_in = len(in_shape)
+        self.axes = tuple(axes)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.ops = ops
         self.name = name
@@ -60,15 +63,24 @@ class Dense(nnx.Module):
         """(kernel, FP8 meta or None): what `apply` computes with, as arrays."""
         return self.kernel[...], self.ops.fp8.meta_value(self.fp8_meta)
 
-    def apply(self, x, weights, fp8: bool = False):
-        """The projection of x with `weights` (from `weights()`), reading no variable itself:
-        callable where only explicit arrays may enter (a custom VJP's function)."""
+    def cast(self, weights, fp8: bool = False):
+        """The kernel cast to FP8 on its shard (None for a compute-dtype call): what `apply`
+        takes as `cast` when its caller re-traces it in a backward (project_gathered)."""
+        kernel, meta = weights
+        return self.ops.fp8.cast_kernel(kernel.astype(self.compute_dtype), meta, fp8=fp8)
+
+    def apply(self, x, weights, fp8: bool = False, cast=None):
+        """The projection of x with `weights` (from `weights()`; `cast` from `cast()` or
+        None), reading no variable itself: callable where only explicit arrays may enter (a
+        custom VJP's function)."""
         kernel, meta = weights
         w = kernel.astype(self.compute_dtype)
         n = self.n_in
         dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
         return self.ops.fp8.project(x.astype(self.compute_dtype), w, dims, meta, fp8=fp8,
-                                    dot_general=self.ops.dot_general, name=self.name)
+                                    dot_general=self.ops.dot_general, name=self.name,
+                                    gather=functools.partial(self.ops.gather_weight,
+                                                             names=self.axes), cast=cast)
 
 
 def project_gathered(gather, x, projections, fp8: bool):
@@ -80,31 +92,34 @@ def project_gathered(gather, x, projections, fp8: bool):
     tensor=8). Without sequence parallelism `gather` is the identity and nothing changes.
 
     The backward re-traces the projections for their VJP; their forward GEMMs, unused there,
-    are dead code XLA removes (the compiled matmul FLOPs are unchanged). With
-    `ops.collective_matmul` (parallel/collective_matmul.py) the gather and the GEMMs run as
-    one ring instead."""
+    are dead code XLA removes (the compiled matmul FLOPs are unchanged). FP8 kernels are cast
+    once, outside (`Dense.cast`), so the re-trace reads the forward's FP8 shard and shares its
+    FSDP gather (cast again inside, each trace gathered its own copy: 3 weight gathers a layer
+    under remat instead of 2). With `ops.collective_matmul` (parallel/collective_matmul.py)
+    the gather and the GEMMs run as one ring instead."""
     ring = projections[0].ops.collective_matmul
     if ring is not None:
         return ring.gathered(x, projections, fp8)
-    def run(xg, weights):
-        return tuple(p.apply(xg, w, fp8) for p, w in zip(projections, weights))
+    def run(xg, weights, casts):
+        return tuple(p.apply(xg, w, fp8, c) for p, w, c in zip(projections, weights, casts))
 
     @jax.custom_vjp
-    def projected(x, weights):
-        return run(gather(x), weights)
+    def projected(x, weights, casts):
+        return run(gather(x), weights, casts)
 
-    def fwd(x, weights):
-        return run(gather(x), weights), (x, weights)
+    def fwd(x, weights, casts):
+        return run(gather(x), weights, casts), (x, weights, casts)
 
     def bwd(saved, cts):
-        x, weights = saved
+        x, weights, casts = saved
         xg, pull_gather = jax.vjp(gather, x)
-        _, pull = jax.vjp(run, xg, weights)
-        d_xg, d_weights = pull(cts)
-        return pull_gather(d_xg)[0], d_weights
+        _, pull = jax.vjp(run, xg, weights, casts)
+        d_xg, d_weights, d_casts = pull(cts)
+        return pull_gather(d_xg)[0], d_weights, d_casts
 
     projected.defvjp(fwd, bwd)
-    return projected(x, tuple(p.weights() for p in projections))
+    weights = tuple(p.weights() for p in projections)
+    return projected(x, weights, tuple(p.cast(w, fp8) for p, w in zip(projections, weights)))
 
 
 class RMSNorm(nnx.Module):

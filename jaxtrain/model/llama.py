@@ -68,11 +68,15 @@ class Ops:
     projections run in FP8 and owns their metas (default: FP8 off). `run_layer(block_fn,
     x_BSD, layer_state) -> x_BSD` runs one layer apart from the stack (the multi-token
     prediction modules' blocks; default: the layer as it is; remat supplies the stack's
-    policy). `collective_matmul` (parallel/collective_matmul.py; default None: GSPMD's
-    gathers and scatters) runs layers.project_gathered/project_scattered as ppermute rings.
+    policy). `gather_weight(w, names) -> w` is a weight as its GEMM reads it (on a mesh with
+    fsdp: gathered over fsdp); FP8 projections apply it to the FP8-cast kernel so FSDP's
+    gathers move FP8 bytes (default: the weight as it is). `collective_matmul`
+    (parallel/collective_matmul.py; default None: GSPMD's gathers and scatters) runs
+    layers.project_gathered/project_scattered as ppermute rings.
     """
     dot_general: DotGeneral = jax.lax.dot_general
     constrain: Constrain = identity_constrain
+    gather_weight: Constrain = identity_constrain
     attention: Callable = attention_lib.xla_attention
     embed_lookup: Callable = None   # (table_VD, tokens_BS) -> x_BSD; default jnp.take
     run_layers: Optional[Callable] = None

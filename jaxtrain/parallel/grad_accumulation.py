@@ -15,8 +15,10 @@ accumulator's cotangent is acc + Σ g. (The embedding, head and final norm are n
 the executor differentiates and adds them as before.)
 
 The accumulator reaches the runner through `into(acc_blocks)`, a trace-time context the
-replica executor opens around one microbatch's forward; without one (the pipeline, eval, the
-model alone) the runner is the remat runner unchanged.
+replica executor opens around one microbatch's forward, and the pipeline executor around a
+chunk's (its accumulator holds the rank's v chunks as [v·Lc, ...] rows and `row0` = j·Lc
+says where chunk j's start: a traced offset, so no chunk-sized slice of it is taken); without
+one (eval, the model alone) the runner is the remat runner unchanged.
 """
 from __future__ import annotations
 
@@ -77,17 +79,20 @@ class _Accumulation:
     """The accumulator of the stacked params while a microbatch's forward is traced; `acc`
     follows the layer ranges as they run (each range's carry out is the next one's in)."""
 
-    def __init__(self, acc_blocks):
+    def __init__(self, acc_blocks, row0):
         self.acc = acc_blocks
+        self.row0 = row0
 
 
 @contextlib.contextmanager
-def into(acc_blocks):
-    """Within it, `accumulating` runners carry `acc_blocks` (the pure-dict fp32 accumulator
-    of the stacked params, [L, ...] leaves); yields the context, whose `.acc` after the
-    forward is what `seed` must take."""
+def into(acc_blocks, row0=0):
+    """Within it, `accumulating` runners carry `acc_blocks` (the fp32 accumulator of the
+    stacked params, [L, ...] leaves, a tree whose paths are the params' within the runner's
+    stacked state; a leaf left None is not tapped), its rows counted from `row0` (an int or
+    a traced int32); yields the context, whose `.acc` after the forward is what `seed` must
+    take (or what the caller feeds its pullback as the cotangent of the accumulator)."""
     prev = getattr(_ACTIVE, "ctx", None)
-    _ACTIVE.ctx = ctx = _Accumulation(acc_blocks)
+    _ACTIVE.ctx = ctx = _Accumulation(acc_blocks, row0)
     try:
         yield ctx
     finally:
@@ -101,13 +106,12 @@ def _key(k) -> str:
 def _split(state, acc):
     """(the state's leaves that have an accumulator, in acc's leaf order; a function putting
     replacements for them back into the state)."""
-    acc_paths = [tuple(_key(k) for k in p)
-                 for p, _ in jax.tree_util.tree_flatten_with_path(acc)[0]]
+    def names(path):
+        out = tuple(_key(k) for k in path)
+        return out[:-1] if out and out[-1] == "value" else out
+    acc_paths = [names(p) for p, _ in jax.tree_util.tree_flatten_with_path(acc)[0]]
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    where = {}
-    for n, (path, _) in enumerate(flat):
-        names = tuple(_key(k) for k in path)
-        where[names[:-1] if names[-1] == "value" else names] = n
+    where = {names(path): n for n, (path, _) in enumerate(flat)}
     slots = [where[p] for p in acc_paths]
 
     def put_back(ws):
@@ -128,7 +132,7 @@ def accumulating(runner: Callable, start: int = 0) -> Callable:
             return runner(fn, x, stacked)
         acc_tree = ctx.acc
         n = jax.tree.leaves(stacked)[0].shape[0]
-        rows = jnp.arange(start, start + n, dtype=jnp.int32)
+        rows = ctx.row0 + jnp.arange(start, start + n, dtype=jnp.int32)
 
         def body(s_i, carry):
             (s, i), (x, acc) = s_i, carry

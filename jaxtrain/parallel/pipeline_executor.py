@@ -32,11 +32,24 @@ long as the busiest rank. Branches taken by some ranks only hold no collective o
 lie within one stage, where every device takes the same branch.
 
 Buffers and switches. The stash, the inbox, the cotangent slots and the gradient accumulators
-are updated outside the switches: a value a switch takes is an operand of every branch, and
+are updated outside the switches (the fused accumulator aside, below): a value a switch
+takes is an operand of every branch, and
 XLA then copies a buffer that one branch updates in place (measured on the GPU compiler: the
 stash twice, the accumulators twice). So an F returns its residuals and a B its gradient
 contributions, and the step writes them. A B reads its stash slot inside its switch (read
 outside, the copy stayed alive beside the last stage's own residual set: one set more).
+
+Fused gradients (`Fns.taps`, the model's layer runner tapping its weights,
+parallel/grad_accumulation.py: Megatron's gradient_accumulation_fusion). The rank's
+accumulator of the tapped leaves is one [v·Lc, ...] fp32 buffer per leaf; a B's chunk
+program is differentiated w.r.t. it (not w.r.t. the weights), its cotangent is the
+accumulator itself, and the backward's layer scan adds each layer's gradient into row j·Lc + i
+in place: no chunk-sized compute-dtype gradient. This one accumulator is updated inside the B's
+switch, as its own carry (measured on the GPU compiler: not copied). What made XLA copy it:
+a forward whose layer loop carried it through, in the F's switch (the F's program now reads
+it not: its unused inputs are dropped) and in the last virtual stage's B (which runs the
+chunk program's forward and backward instead of one vjp). The untapped leaves (FP8 metas,
+layer modes) come out of the switch and add up as before.
 
 Gradients accumulate in fp32 per rank and per data replica and leave the shard_map stacked
 [replicas, p, ...] (P(data, stage)): the caller reduces the replica dim once, where the
@@ -58,8 +71,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.ledger.pipeline_schedule import Schedule
+from jaxtrain.parallel import grad_accumulation
 from jaxtrain.parallel import pipeline_specs as specs
 from jaxtrain.parallel.mesh_axes import DATA, STAGE
+from jaxtrain.parallel import pipeline_taps
 from jaxtrain.parallel.pipeline_stash import ChunkProgram, chunk_program
 from jaxtrain.parallel.remat import opaque_zeros
 
@@ -69,10 +84,15 @@ F_SCOPE, B_SCOPE = "pipeline_f", "pipeline_b"
 
 
 class Fns(NamedTuple):
-    """The model the executor runs; none closes over a value being differentiated."""
+    """The model the executor runs; none closes over a value being differentiated. `taps`
+    (a bool per chunk parameter leaf, or None): the leaves whose gradients the chunk's layer
+    runner adds into the accumulator itself (grad_accumulation.accumulating inside `into`):
+    then a B's weight gradients go into the fp32 accumulator layer by layer (module
+    docstring)."""
     chunk: Callable                  # (chunk params [..], x, chunk aux of one microbatch) -> x
     head_loss: Callable              # (edge row, y, aux of one microbatch) -> (objective, sums)
     embed: Callable                  # (edge row, inputs of one microbatch) -> x
+    taps: Any = None
 
 
 class GradCombine(NamedTuple):
@@ -103,6 +123,8 @@ class Carry(NamedTuple):
     sums: Any                        # the head's sums over this rank's microbatches
     side: Any                        # the chunks' side sums over this rank's F ops (or None)
     d_chunk: Any                     # fp32 [v, ...] gradient sums of the rank's chunks
+                                     # (fused: of the untapped leaves; the tapped are None)
+    d_acc: Any                       # fused: fp32 [v*Lc, ...] sums of the tapped leaves
     d_edge: Any                      # fp32 gradient sums of the rank's edge row
     held: jax.Array                  # stash slots in use, and their peak
     peak: jax.Array
@@ -122,6 +144,8 @@ class Rank(NamedTuple):
     no_sums: Any                     # the head's sums, all zeros (a step without a head)
     no_side: Any                     # a chunk's side sums, all zeros (None: it has none)
     program: Optional[ChunkProgram]  # training only
+    taps: Optional[tuple] = None     # fused: per chunk leaf, whether it is tapped
+    lc: int = 0                      # layers per chunk (a chunk's accumulator rows)
 
 
 class PipelineError(ValueError):
@@ -180,7 +204,8 @@ def _f_op(fns: Fns, rk: Rank, c: Carry, row, from_input: bool, backward: bool):
     x_in = _first_input(fns, rk, k) if from_input else c.inbox[jnp.maximum(row["f_in"], 0)]
     params, caux = _take(rk.chunks, j), _take(rk.caux, k)
     if backward:
-        y, saved, side = rk.program.forward(params, x_in, caux)
+        acc = {} if rk.taps is None else dict(acc=c.d_acc, row0=j * rk.lc)
+        y, saved, side = rk.program.forward(params, x_in, caux, **acc)
         return y, tuple(saved), rk.no_sums, side
     out = fns.chunk(params, x_in, caux)
     y, side = (out, None) if rk.no_side is None else out
@@ -193,11 +218,12 @@ class BOut(NamedTuple):
     """What a B produces: the cotangent going left and this microbatch's contributions,
     which the step adds to the accumulators after the switch (module docstring)."""
     dx: jax.Array
-    d_params: Any                    # the chunk's, in the parameters' dtype
+    d_params: Any                    # the chunk's, in the parameters' dtype (fused: untapped)
     d_edge: Any                      # the edge row's (head or embedding; zeros elsewhere)
     sums: Any                        # the head's (zeros but on the last virtual stage)
     objective: jax.Array             # the head's objective (0 elsewhere): orders the F after
     side: Any                        # the last virtual stage's chunk side sums (its F is here)
+    acc: Any = None                  # fused: the accumulator with this B's weight gradients
 
 
 def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
@@ -209,8 +235,25 @@ def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
     j, k = jnp.maximum(row["b_chunk"], 0), jnp.maximum(row["b_mb"], 0)
     params = _take(rk.chunks, j)
     d_edge, sums, objective = _zeros(rk.edge), rk.no_sums, jnp.zeros((), jnp.float32)
-    side = rk.no_side
-    if last:
+    side, acc = rk.no_side, None
+    if rk.taps is not None and last:
+        x_in = _first_input(fns, rk, k) if first else c.inbox[jnp.maximum(row["b_in"], 0)]
+        caux = _take(rk.caux, k)
+        # the chunk program's forward and backward back to back: a forward that took the
+        # accumulator (to pass it through its layer loop) made XLA copy it
+        y, saved, _ = rk.program.forward(params, x_in, caux, acc=c.d_acc, row0=j * rk.lc)
+        objective, head_pull, sums = jax.vjp(lambda e, y_: _head(fns, rk, e, y_, k), rk.edge,
+                                             y, has_aux=True)
+        d_edge, dy = head_pull(jnp.ones_like(objective))
+        d_r, acc, dx = rk.program.backward(params, saved, dy, acc=c.d_acc)
+        d_params = pipeline_taps.untapped(params, rk.taps, d_r)
+    elif rk.taps is not None:
+        slot = jnp.maximum(row["b_res"], 0)
+        dy = c.cots[jnp.maximum(row["b_gslot"], 0)]
+        d_r, acc, dx = rk.program.backward(params, [buf[slot] for buf in c.stash], dy,
+                                           acc=c.d_acc)
+        d_params = pipeline_taps.untapped(params, rk.taps, d_r)
+    elif last:
         x_in = _first_input(fns, rk, k) if first else c.inbox[jnp.maximum(row["b_in"], 0)]
         caux = _take(rk.caux, k)
         chunk = lambda p_, h: fns.chunk(p_, h, caux)  # noqa: E731
@@ -229,12 +272,26 @@ def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
     if first:
         _, pull = jax.vjp(lambda e: fns.embed(e, _take(rk.x, k)).astype(dx.dtype), rk.edge)
         d_edge = _add(d_edge, pull(dx)[0])
-    return BOut(dx, d_params, d_edge, sums, objective, side)
+    return BOut(dx, d_params, d_edge, sums, objective, side, acc)
 
 
 def _b_idle(rk: Rank, c: Carry, row) -> BOut:
-    return BOut(rk.fill_x, _zeros(_take(rk.chunks, 0)), _zeros(rk.edge), rk.no_sums,
-                jnp.zeros((), jnp.float32), rk.no_side)
+    chunk = _take(rk.chunks, 0)
+    d_params = _zeros(chunk if rk.taps is None else pipeline_taps.untapped(
+        chunk, rk.taps, pipeline_taps.split_taps(chunk, rk.taps)[1]))
+    return BOut(rk.fill_x, d_params, _zeros(rk.edge), rk.no_sums,
+                jnp.zeros((), jnp.float32), rk.no_side, c.d_acc)
+
+
+def _chunk_acc(fns: Fns, params, acc, row0, x, aux):
+    """(y, acc) of a chunk whose layer runner taps its weights into `acc` (rows from
+    row0): the accumulator passes through; its cotangent collects the weight gradients."""
+    with grad_accumulation.into(acc, row0) as ctx:
+        y = fns.chunk(params, x, aux)
+    if ctx.acc is acc:
+        raise PipelineError("Fns.taps is set but the chunk's layer runner did not tap: run "
+                            "the layers with grad_accumulation.accumulating, or leave taps None")
+    return y, ctx.acc
 
 
 def _switch_f(fns: Fns, rk: Rank, c: Carry, row, backward: bool):
@@ -273,7 +330,7 @@ def _switch_b(fns: Fns, rk: Rank, combine: GradCombine, c: Carry, row):
         out = lax.switch(index, branches, c, row)
     c = c._replace(d_chunk=combine.add_at(c.d_chunk, jnp.maximum(j, 0), out.d_params),
                    d_edge=_add(c.d_edge, out.d_edge), sums=_add(c.sums, out.sums),
-                   side=_add(c.side, out.side))
+                   side=_add(c.side, out.side), d_acc=out.acc)
     return c, out
 
 
@@ -333,15 +390,19 @@ def _init(rk: Rank, table, backward: bool, fill: float) -> Carry:
     slots = lambda counts: max(max(counts), 1)  # noqa: E731
     buf = lambda n: _full((n,) + act.shape, act.dtype, fill)  # noqa: E731
     zero = jnp.zeros((), jnp.int32)
-    stash, cots, recv_g, d_chunk, d_edge = (), None, None, None, None
+    stash, cots, recv_g, d_chunk, d_edge, d_acc = (), None, None, None, None, None
     if backward:
         stash = tuple(_full((slots(table.stash_slots),) + a.shape, a.dtype, fill)
                       for a in rk.program.saved_avals)
         cots, recv_g = buf(slots(table.grad_slots)), rk.fill_x
         d_chunk, d_edge = _fp32_zeros(rk.chunks), _fp32_zeros(rk.edge)
+        if rk.taps is not None:
+            d_acc = _fp32_zeros(pipeline_taps.accumulator_rows(rk.chunks, rk.taps))
+            rest = pipeline_taps.split_taps(rk.chunks, rk.taps)[1]
+            d_chunk = _fp32_zeros(pipeline_taps.untapped(rk.chunks, rk.taps, rest))
     return Carry(inbox=buf(slots(table.inbox_slots)), stash=stash, cots=cots,
                  recv_x=rk.fill_x, recv_g=recv_g, sums=rk.no_sums, side=rk.no_side,
-                 d_chunk=d_chunk,
+                 d_chunk=d_chunk, d_acc=d_acc,
                  d_edge=d_edge, held=zero, peak=zero)
 
 
@@ -358,7 +419,18 @@ def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: Gr
     chunk_out = jax.eval_shape(fns.chunk, _take(chunks, 0), fill_x, _take(caux, 0))
     no_side = zeros(chunk_out[1]) if isinstance(chunk_out, tuple) else None
     rk = Rank(r, p, p * v, chunks, edge_row, x, aux, caux, fill_x, no_sums, no_side, None)
-    if backward:
+    if backward and fns.taps is not None:
+        if no_side is not None:
+            raise PipelineError("Fns.taps with a chunk that returns side sums is not supported; "
+                                "leave taps None")
+        taps = tuple(bool(t) for t in jax.tree.leaves(fns.taps))
+        rk = rk._replace(taps=taps, lc=jax.tree.leaves(chunks)[0].shape[1])
+        acc = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32),
+                           pipeline_taps.accumulator_rows(chunks, taps))
+        rk = rk._replace(program=chunk_program(
+            fns.chunk, _take(chunks, 0), fill_x, _take(caux, 0),
+            chunk_acc=functools.partial(_chunk_acc, fns), taps=taps, acc=acc))
+    elif backward:
         rk = rk._replace(program=chunk_program(fns.chunk, _take(chunks, 0), fill_x,
                                                _take(caux, 0), side=no_side is not None))
     _check_shapes(fns, rk)
@@ -371,7 +443,9 @@ def _body(fns: Fns, schedule: Schedule, backward: bool, fill: float, combine: Gr
     if not backward:
         return sums, c.peak[None]
     stack = lambda tree: jax.tree.map(lambda a: a[None, None], tree)  # noqa: E731
-    return sums, stack(c.d_chunk), stack(c.d_edge), c.peak[None]
+    d_chunk = (c.d_chunk if rk.taps is None else
+               pipeline_taps.gradients(rk.chunks, rk.taps, c.d_acc, c.d_chunk))
+    return sums, stack(d_chunk), stack(c.d_edge), c.peak[None]
 
 
 def execute(fns: Fns, chunk_params, edge, x, aux, caux, *, schedule: Schedule, mesh,

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import compat
-from jaxtrain.parallel.mesh_axes import (CONTEXT, DATA, EXPERT, MESH_AXES, REPLICA_AXES,
+from jaxtrain.parallel.mesh_axes import (CONTEXT, DATA, EXPERT, FSDP, MESH_AXES, REPLICA_AXES,
                                          ROW_AXES, STAGE)
 from jaxtrain.config import Config, ParallelConfig, expert_from_data
 from jaxtrain.ledger.layout import layout_from_config, resolve_degrees
@@ -253,6 +253,32 @@ class ActivationSharding:
         if self.sequence_parallel and "length" in names:
             spec = _drop_if_indivisible(spec, x.shape, mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGather:
+    """`gather(w, names)`: a weight as a GEMM reads it, whole over `fsdp` (FSDP's all-gather)
+    and still split as its rules say over every other axis (tensor, expert, stage).
+
+    FP8 projections apply it to the FP8-cast kernel (fp8_matmul: cast on the FSDP shard with
+    the delayed scale, then gather), so the gather moves 1 byte per element and the forward,
+    the recompute and the backward read one gather (GSPMD left alone gathers the dequantized
+    kernel once per GEMM that reads it; XLA's collective quantizer then narrows each gather to
+    FP8 but does not merge the recompute's with the backward's). Without fsdp it is the
+    identity: the program is then left exactly as GSPMD makes it.
+    """
+    mesh: Mesh
+
+    def __call__(self, w, names):
+        mesh = context_mesh(self.mesh)
+        if FSDP not in mesh.shape or mesh.shape[FSDP] == 1 or FSDP in set(mesh.manual_axes):
+            return w
+        spec = logical_to_spec(tuple(names), w.shape, mesh, params=True)
+        parts = []
+        for axes in spec:
+            kept = tuple(a for a in flat_axes(axes) if a != FSDP)
+            parts.append(one_or_tuple(kept))
+        return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(*parts)))
 
 
 def _uses_tensor(name) -> bool:
