@@ -21,6 +21,11 @@ only where it does:
   attention runs, and with one the scheduler leaves one of them exposed
   (configs/llama3_8b_128k.py: 85.8% of the context bytes statically overlapped -> 99.1%).
 
+- with parallel.collective_matmul, no dot merger: XLA:GPU merges the rings' GEMMs (they
+  share the weight and none depends on another) into one that waits for every hop, leaving
+  nothing between a permute's start and done (tiny TP2+SP model: 16 of 18 permutes
+  overlapped without the merger, BENCHMARKS.md for the 8B figures).
+
 Left out because the compile showed no difference: the latency-hiding scheduler flag (on by
 default in this XLA), pipelined reduce-scatters, collective combine thresholds.
 `train.xla_flags` ("name=value name=value") adds options or overrides these; the dry run
@@ -41,6 +46,7 @@ FSDP = {
 }
 LAYER_LOOP_ONLY = {"xla_gpu_enable_while_loop_double_buffering": True}
 RING = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+COLLECTIVE_MATMUL = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 def parse(text: str) -> dict:
@@ -73,4 +79,6 @@ def for_platform(cfg: Config, platform: str, degrees: Mapping[str, int]) -> dict
             defaults.update(LAYER_LOOP_ONLY)
     if degrees[CONTEXT] > 1 and p.context_strategy == "ring":
         defaults.update(RING)
+    if p.collective_matmul:
+        defaults.update(COLLECTIVE_MATMUL)
     return {**defaults, **parse(cfg.train.xla_flags)}

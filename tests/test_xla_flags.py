@@ -22,3 +22,11 @@ def test_a_filled_context_degree_gets_the_ring_default_and_overrides_win():
                       "--train.xla_flags=xla_gpu_experimental_parallel_collective_overlap_limit=1")
     assert xla_flags.for_platform(cfg, "gpu", mesh) == {
         "xla_gpu_experimental_parallel_collective_overlap_limit": 1}
+
+
+def test_collective_matmul_turns_the_dot_merger_off():
+    cfg = tiny_config("--parallel.data=1", "--parallel.tensor=8",
+                      "--parallel.sequence_parallel=true", "--parallel.collective_matmul=true")
+    mesh = {**MESH, "fsdp": 1, "tensor": 8}
+    assert xla_flags.for_platform(cfg, "gpu", mesh) == xla_flags.COLLECTIVE_MATMUL
+    assert xla_flags.for_platform(cfg, "cpu", mesh) == {}

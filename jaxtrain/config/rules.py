@@ -399,6 +399,8 @@ def validate(cfg: Config) -> None:
     _check(not p.sequence_parallel or p.tensor != 1,
            "parallel.sequence_parallel=true needs parallel.tensor > 1 (it shards the sequence "
            "over the tensor axis); set parallel.tensor or turn sequence_parallel off")
+    if p.collective_matmul:
+        check_collective_matmul(p, f.enabled, t.seq_len)
     check_batch_split(t.global_batch, p.data, p.fsdp, p.microbatches)  # a -1 is left out
     _check(0 <= cfg.data.eval_fraction < 1, "data.eval_fraction must be in [0, 1)")
     _check(t.log_every >= 1, "train.log_every must be >= 1")
@@ -458,3 +460,18 @@ def parse_duration(text: str, key: str) -> float:
         return float(int(days) * 86400 + h * 3600 + m * 60 + sec)
     except ValueError:
         raise bad from None
+
+
+def check_collective_matmul(p, fp8: bool, seq_len: int) -> None:
+    """parallel.collective_matmul applies: sequence parallelism on (tensor > 1), no context
+    parallelism, no FP8, a sequence that splits over tensor."""
+    _check(p.sequence_parallel, "parallel.collective_matmul=true decomposes sequence "
+           "parallelism's gathers and scatters: set parallel.sequence_parallel=true (and "
+           "parallel.tensor > 1) or turn collective_matmul off")
+    _check(p.context == 1, "parallel.collective_matmul=true with parallel.context > 1: the "
+           "ring runs over tensor only; set parallel.context=1 or turn collective_matmul off")
+    _check(not fp8, "parallel.collective_matmul=true with fp8.enabled=true: FP8's scaling needs "
+           "the whole tensor's amax, which a ring step does not see; turn one of them off")
+    _check(p.tensor < 1 or seq_len % p.tensor == 0,
+           f"parallel.collective_matmul=true: train.seq_len={seq_len} does not split over "
+           f"parallel.tensor={p.tensor}; use a multiple of it")

@@ -235,6 +235,9 @@ class ParallelConfig(_Section):
     fsdp: int = 1
     tensor: int = 1
     sequence_parallel: bool = False
+    # Under SP, the all-gather -> column-parallel GEMM and GEMM -> reduce-scatter pairs as
+    # ppermute rings, each hop hidden behind a GEMM (parallel/collective_matmul.py).
+    collective_matmul: bool = False
     context: int = 1
     # Context parallelism's attention: K/V all-gathered over `context` (any mask), or passed
     # around the ring, each hop hidden behind a block's attention (context_attention.py).

@@ -28,8 +28,8 @@ from jaxtrain.model import attention as attention_lib
 from jaxtrain.model import llama as model_lib
 from jaxtrain.model import moe_balance
 from jaxtrain.model.fp8 import Fp8Converter
-from jaxtrain.parallel import (context_attention, expert_dispatch, grad_accumulation,
-                               layer_order, remat, sharded_kernels, sharding)
+from jaxtrain.parallel import (collective_matmul, context_attention, expert_dispatch,
+                               grad_accumulation, layer_order, remat, sharded_kernels, sharding)
 from jaxtrain.parallel.layer_order import LayerOrder
 from jaxtrain.parallel.mesh_axes import TENSOR
 from jaxtrain.parallel.pipeline import chunk_layer_counts
@@ -156,7 +156,9 @@ def make_ops(cfg: Config, mesh: Mesh | None, *, constrain_weights: bool = True) 
                          dispatch=expert_dispatch.dispatch_for(mesh, sharding.platform(mesh),
                                                                folded(cfg, mesh)),
                          grouped_dot=grouped_dot_for(cfg.model, mesh, folded(cfg, mesh))[0],
-                         run_layer=remat.single_layer_runner(cfg.remat))
+                         run_layer=remat.single_layer_runner(cfg.remat),
+                         collective_matmul=collective_matmul.collective_matmul_for(
+                             cfg.parallel, mesh, cfg.remat.granularity == "full"))
 
 
 def build(cfg: Config, mesh: Mesh) -> Setup:

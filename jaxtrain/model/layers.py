@@ -95,7 +95,11 @@ def project_gathered(gather, x, projections, fp8: bool):
     are dead code XLA removes (the compiled matmul FLOPs are unchanged). FP8 kernels are cast
     once, outside (`Dense.cast`), so the re-trace reads the forward's FP8 shard and shares its
     FSDP gather (cast again inside, each trace gathered its own copy: 3 weight gathers a layer
-    under remat instead of 2)."""
+    under remat instead of 2). With `ops.collective_matmul` (parallel/collective_matmul.py)
+    the gather and the GEMMs run as one ring instead."""
+    ring = projections[0].ops.collective_matmul
+    if ring is not None:
+        return ring.gathered(x, projections, fp8)
     def run(xg, weights, casts):
         return tuple(p.apply(xg, w, fp8, c) for p, w, c in zip(projections, weights, casts))
 
@@ -145,7 +149,9 @@ def project_scattered(gather, scatter, x, projection, fp8: bool):
     stream (reduce-scattered over the sequence under sequence parallelism). Its backward
     gathers the output's cotangent once for both of the projection's gradients (GSPMD left to
     itself gathers it once per gradient GEMM: 2 of the 8 sequence-sized all-gathers a layer
-    would run)."""
+    would run). With `ops.collective_matmul` the GEMM and the scatter run as one ring."""
+    if projection.ops.collective_matmul is not None:
+        return projection.ops.collective_matmul.scattered(x, projection, fp8)
     weights = projection.weights()
     apply = lambda x_, w_: projection.apply(x_, w_, fp8)  # noqa: E731
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +70,9 @@ class Ops:
     prediction modules' blocks; default: the layer as it is; remat supplies the stack's
     policy). `gather_weight(w, names) -> w` is a weight as its GEMM reads it (on a mesh with
     fsdp: gathered over fsdp); FP8 projections apply it to the FP8-cast kernel so FSDP's
-    gathers move FP8 bytes (default: the weight as it is).
+    gathers move FP8 bytes (default: the weight as it is). `collective_matmul`
+    (parallel/collective_matmul.py; default None: GSPMD's gathers and scatters) runs
+    layers.project_gathered/project_scattered as ppermute rings.
     """
     dot_general: DotGeneral = jax.lax.dot_general
     constrain: Constrain = identity_constrain
@@ -83,6 +85,7 @@ class Ops:
     grouped_dot: Callable = moe_lib.ragged_dot
     dispatch: Callable = moe_lib.local_dispatch
     run_layer: Optional[Callable] = None
+    collective_matmul: Any = None
 
 
 def _real_vocab_rows(init, real_vocab: int, axis: int):
