@@ -44,6 +44,8 @@ def attention_kernel_flops_of(instr, comp, head_dims: tuple[int, int] | None = N
                             "D] result or operands to size it by")
     b, d = tensors[0][0], tensors[0][-1]
     dq, dv = head_dims or (d, d)
+    if not any(dims[i] in (dq, dv) for dims in tensors for i in (3, 2)):
+        dq = dv = d   # zero-padded head sizes (flash_attention._pad): the kernel multiplies those
     seqs, heads = set(), 1
     for dims in tensors:
         # the head size last ([B, S, heads, D], [B, heads, S, D]) or third (a transposed
