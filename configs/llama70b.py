@@ -3,7 +3,7 @@
 Layout for 1024 H100s: TP 8 with sequence parallelism inside a node, PP 2 interleaved with 8
 virtual stages of 5 layers (bubble 1.6%), data 64 with the distributed optimizer (ZeRO-1), 8
 microbatches of one sequence, no recompute. The ledger's pick (`python -m jaxtrain.plan
---config configs/llama70b.py --devices 1024 --gpu h100`): 37-62% MFU at 58.5 of 72 GiB, of
+--config configs/llama70b.py --devices 1024 --gpu h100`): 37-61% MFU at 58.5 of 72 GiB, of
 which 23.6 GiB are the pipeline's stashed activations (each F keeps its chunk's residuals for
 its B, Megatron's schedule without recompute: rank 0 holds 16 chunk-microbatches). Full
 recompute would need 1.7 GiB of them but runs every layer's forward again (30-49%). Chosen by

@@ -1,5 +1,6 @@
 """train.py before launch: the ledger's plan on too few devices (exit 2, nothing compiled) and
 --dry-run, which compiles llama70b's real train step on 8 fake CPU devices from abstract state."""
+import dataclasses
 import functools
 import importlib.util
 import pathlib
@@ -12,7 +13,7 @@ from jaxtrain import trainer
 from jaxtrain.executors import setup as setup_lib
 from jaxtrain.tools import device_plan, dry_run
 from jaxtrain.config import load_config
-from jaxtrain.ledger import GiB, memory as ledger_memory
+from jaxtrain.ledger import GiB, comm as ledger_comm, memory as ledger_memory
 from util import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -333,12 +334,12 @@ def test_llama70b_dry_run_on_8_cpu_devices(capsys, monkeypatch):
     # Stage traffic: the executor's permutes, 2 per table step, bf16 activations carried as
     # f32 by XLA:CPU (2x the ledger's PP); the embedding's and head's fp32 gradients
     # all-reduced after the loop: 2·(p-1)/p·4 B per table element, where the H100 compiler
-    # reduce-scatters them over stage and gathers their bf16 copy, (p-1)/p·(4 + 2) B, the
-    # ledger's vocab term (test_gpu_compile_parallel's vocab-tables test): 8/6 of it here.
+    # reduce-scatters them over stage and gathers their bf16 copy (the ledger's vocab terms,
+    # test_gpu_compile_parallel's vocab-tables test): 8/6 of the pair without ZeRO-1.
     stage = r.stage_comm()
     assert stage[("collective-permute", True)][0] == pytest.approx(2 * e.comm_bytes["pp"],
                                                                    rel=0.01)
-    assert stage[("all-reduce", False)][0] == pytest.approx(e.comm_bytes["vocab"] * 8 / 6,
-                                                            rel=0.01)
+    unsplit = ledger_comm.vocab_terms(r.cfg, dataclasses.replace(L, zero1=False))[0] * 8 / 6
+    assert stage[("all-reduce", False)][0] == pytest.approx(unsplit, rel=0.01)
     print(f"llama70b dry run: {elapsed:.1f} s wall (compile {r.compile_s:.1f} s), temp "
           f"{r.memory['temp_bytes'] / GiB:.1f} GiB/device, ledger {ledger['temp'] / GiB:.1f}")

@@ -284,11 +284,14 @@ def test_comm_formulas_small_layout():
     assert est.params_local == n_local
     n_state = 4 * layer_local + (2 * table + 1024) / 2
     assert est.static_breakdown["master"] == n_state * 4 / 2
-    # ZeRO-1: the fp32 gradients reduce-scattered, the bf16 params all-gathered
-    assert est.comm_bytes["dp"] == n_local * (4 + 2)
-    # Over stage, of their ZeRO-1 shard over data 2: the tables' fp32 gradients
-    # reduce-scattered to the masters' stage shards, the bf16 copy all-gathered, (p-1)/p each.
-    assert est.comm_bytes["vocab"] == (1 / 2) * (2 * table + 1024) * (4 + 2) / 2
+    # ZeRO-1: the layers' fp32 gradients reduce-scattered, their bf16 params all-gathered;
+    # the edge row's fp32 gradient all-reduced before its stage reduce-scatter (H100 program)
+    edge = table + 1024
+    assert est.comm_bytes["dp"] == (n_local - edge) * (4 + 2) + edge * 8
+    # Each data rank's 1/2 share of the tables' fp32 gradients reduce-scattered over stage to
+    # the masters' shards, (p-1)/p; their bf16 copy gathered from all p x 2 shards at once.
+    held = 2 * table + 1024
+    assert est.comm_bytes["vocab"] == (1 / 2) * held * 4 / 2 + (3 / 4) * held * 2
     assert est.comm_bytes["fsdp"] == est.comm_bytes["cp"] == 0
     assert set(est.comm_links.values()) == {"nvlink"}  # 8 devices: one node
     fsdp = dataclasses.replace(layout, data=1, fsdp=2, zero1=False)

@@ -134,10 +134,11 @@ def test_small_pipelined_estimate_by_hand():
     # HFU: nothing is run again without remat.
     assert est.model_flops_per_token == ledger.model_flops_per_token(cfg)
     assert est.hfu_flops_per_token == est.model_flops_per_token
-    # Communication: 12 sends of a chunk input; over stage, of their ZeRO-1 shard over data 2,
-    # the vocab gradients reduce-scattered (fp32) and their bf16 copy all-gathered, ring.
+    # Communication: 12 sends of a chunk input; over stage, each data rank's 1/2 share of the
+    # vocab gradients reduce-scattered (fp32), their bf16 copy gathered from the p x 2 shards.
     assert est.comm_bytes["pp"] == 12 * chunk_input
-    assert est.comm_bytes["vocab"] == (1 / 2) * (2 * TABLE_LOCAL + H) * (4 + 2) / 2
+    held = 2 * TABLE_LOCAL + H
+    assert est.comm_bytes["vocab"] == (1 / 2) * held * 4 / 2 + (3 / 4) * held * 2
     # TP+SP: 4 sequence-sized collectives per forward pass (4 per rank), 6 per backward pass
     # (4), each (t-1)/t.s.b.h.2, over the chunk's 4 layers
     assert est.comm_bytes["tp"] == 4 * (1 / 2) * SBH * 2 * (4 * 4 + 6 * 4)
@@ -208,7 +209,8 @@ def test_tied_embeddings_hold_one_table_and_reduce_one_gradient():
     assert est.params_local == 4 * LAYER_LOCAL + TABLE_LOCAL + H
     # Rank 0's and rank p-1's copies of the one table: their gradients summed in one
     # reduce-scatter over stage to its master's shards, its bf16 copy all-gathered.
-    assert est.comm_bytes["vocab"] == (1 / 2) * (TABLE_LOCAL + H) * (4 + 2) / 2
+    held = TABLE_LOCAL + H
+    assert est.comm_bytes["vocab"] == (1 / 2) * held * 4 / 2 + (3 / 4) * held * 2
 
 
 def test_hfu_from_the_config_counts_the_remat_only():

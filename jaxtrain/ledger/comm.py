@@ -88,25 +88,30 @@ def bubble_fraction(stage: int, microbatches: int, virtual_stages: int = 1) -> f
     return (stage - 1) / (microbatches * virtual_stages) if stage > 1 else 0.0
 
 
-def dp_split(layout: Layout, n_local: float, n_experts_local: float = 0.0
-             ) -> tuple[float, float]:
+def dp_split(layout: Layout, n_local: float, n_experts_local: float = 0.0,
+             n_edge: float = 0.0) -> tuple[float, float]:
     """(dense, experts) DP payloads: params are replicated over data and context, so both
     reduce gradients: the fp32 gradient sums (4 bytes, what the step reduces), then ZeRO-1's
     bf16 params gathered. With expert ranks the `n_experts_local` expert parameters are
     reduced only over the data·context/expert ranks that hold the same experts (none when
-    that is 1), the rest over all data·context ranks."""
+    that is 1), the rest over all data·context ranks. The `n_edge` parameters of a pipeline
+    rank's edge row (among `n_local`) are all-reduced in fp32 under ZeRO-1 too (8 bytes):
+    their masters split over stage, so the executor sums the rows over data before they
+    reduce-scatter over stage (vocab_terms; the H100 program of the 70B recipe and of
+    Mixtral's)."""
     if layout.data * layout.context == 1:
         return 0.0, 0.0
     per = (4 + 2) if layout.zero1 else 2.0 * 4
     experts = n_experts_local if layout.expert > 1 else 0.0
     expert_ranks = experts_lib.expert_data_ranks(layout)
-    return ((n_local - experts) / layout.fsdp * per,
+    return (((n_local - experts - n_edge) * per + n_edge * 2.0 * 4) / layout.fsdp,
             experts / layout.fsdp * per if expert_ranks > 1 else 0.0)
 
 
-def dp_bytes(layout: Layout, n_local: float, n_experts_local: float = 0.0) -> float:
+def dp_bytes(layout: Layout, n_local: float, n_experts_local: float = 0.0,
+             n_edge: float = 0.0) -> float:
     """Both of dp_split's payloads."""
-    return sum(dp_split(layout, n_local, n_experts_local))
+    return sum(dp_split(layout, n_local, n_experts_local, n_edge))
 
 
 def fsdp_rest_bytes(cfg: Config, layout: Layout, seq_len: int) -> float:
@@ -187,19 +192,29 @@ def pp_bytes(cfg: Config, layout: Layout, seq_len: int, ex: Executor | None) -> 
     return 0.0 if ex is None else ex.sends * chunk_input_bytes(cfg, layout, seq_len)
 
 
-def vocab_bytes(cfg: Config, layout: Layout) -> float:
-    """The vocab tables and the final norm over stage, whose masters split over it
-    (parallel/sharding.stage_state_axis): their fp32 gradients reduce-scattered from the edge
-    rows to the masters' shards and the compute-dtype copy all-gathered once per step, ring
-    (p-1)/p each: 4 + 2 bytes a parameter where the all-reduce of replicated masters was 8."""
+def vocab_terms(cfg: Config, layout: Layout) -> tuple[float, float]:
+    """Wire bytes per device of the vocab tables and the final norm, whose masters split over
+    stage (parallel/sharding.stage_state_axis): (over stage alone, over stage and the
+    data-parallel group at once). Without ZeRO-1 their fp32 gradients reduce-scatter over
+    stage and the compute-dtype copy gathers back, ring (p-1)/p each: 4 + 2 bytes a
+    parameter where the all-reduce of replicated masters was 8. With ZeRO-1 (masters split
+    over stage x data·context) each data rank reduce-scatters its 1/g share over stage, and
+    the copy gathers from all p·g shards at once: the joint term (the H100 program)."""
     p, t, m = layout.stage, layout.tensor, cfg.model
     if p == 1:
-        return 0.0
+        return 0.0, 0.0
     table = padded_vocab(m.vocab_size, t) * m.hidden_size / t
-    tables = 1 if m.tie_embeddings else 2
-    shard = layout.data * layout.context if layout.zero1 else 1
+    held = (1 if m.tie_embeddings else 2) * table + m.hidden_size
     compute = 4 if m.compute_dtype == "float32" else 2
-    return (p - 1) / p * (tables * table + m.hidden_size) * (4 + compute) / shard
+    g = layout.data * layout.context
+    if not layout.zero1 or g == 1:
+        return (p - 1) / p * held * (4 + compute), 0.0
+    return (p - 1) / p * held * 4 / g, (p * g - 1) / (p * g) * held * compute
+
+
+def vocab_bytes(cfg: Config, layout: Layout) -> float:
+    """Both of vocab_terms' (the ledger's `vocab` kind, on the stage axis's link)."""
+    return sum(vocab_terms(cfg, layout))
 
 
 class CpPass(NamedTuple):

@@ -288,8 +288,8 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
     plain = comm.layer_passes(L, stage_layers, ex)
     rerun = passes.forward - plain.forward
     # DP: each rank reduces the gradients it computed: its layers and, with stages, its edge
-    # row (the executor reduces the rows over data before they reduce-scatter over stage)
-    volumes = {"dp": comm.dp_bytes(L, n_local, n_expert),
+    # row (all-reduced over data before it reduce-scatters over stage)
+    volumes = {"dp": comm.dp_bytes(L, n_local, n_expert, memory.edge_row_local(cfg, L)),
                # a re-run forward gathers the weights its backward then uses (one gather)
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, plain,
                                              comm.fsdp_gather_bytes(cfg, L, layer_local))

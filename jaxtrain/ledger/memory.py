@@ -155,6 +155,11 @@ def edge_params_local(cfg: Config, tensor: int) -> float:
     return padded_vocab(m.vocab_size, tensor) * m.hidden_size / tensor + m.hidden_size
 
 
+def edge_row_local(cfg: Config, layout: Layout) -> float:
+    """A pipeline rank's edge row (edge_params_local) under stages, 0 without them."""
+    return edge_params_local(cfg, layout.tensor) if layout.stage > 1 else 0.0
+
+
 def held_layers(layout: Layout, stage_layers: tuple[int, ...]) -> int:
     """Layers a device holds: v chunks of the largest chunk (padding included)."""
     v = layout.virtual_stages
@@ -172,8 +177,7 @@ def params_local(cfg: Config, layout: Layout, stage_layers: tuple[int, ...]) -> 
     """Parameters one device computes with (after TP and PP, before FSDP): the same on every
     pipeline rank, which holds v chunks of the largest chunk (padding included) and its edge
     row (one vocab table); without stages the layers and both tables."""
-    vocab = (edge_params_local(cfg, layout.tensor) if layout.stage > 1
-             else vocab_params_local(cfg, layout.tensor))
+    vocab = edge_row_local(cfg, layout) or vocab_params_local(cfg, layout.tensor)
     return _layers_local(cfg, layout, stage_layers) + vocab + mtp_params_local(cfg, layout.tensor)
 
 

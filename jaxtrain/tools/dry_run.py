@@ -113,7 +113,8 @@ def dp_terms(cfg: Config, L: Layout, dp_payload: float) -> list[tuple[tuple, flo
         return [(group, dp_payload, L.data * L.context)]
     stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
     dense, routed = comm.dp_split(L, memory.params_local(cfg, L, stage_layers),
-                                  memory.expert_params_held(cfg, L, stage_layers))
+                                  memory.expert_params_held(cfg, L, stage_layers),
+                                  memory.edge_row_local(cfg, L))
     carved = L.data * L.context // experts.expert_data_ranks(L)   # the mesh's expert axis
     dense_axes = tuple(a for a in ("data", "expert", "context")
                        if (a == "expert" and carved > 1) or (a == "data" and L.data > carved)
@@ -195,11 +196,16 @@ class DryRun:
         # The ledger's DP and FSDP volumes are payloads (§5: Megatron's 2·N for DP), of which
         # a ring moves (g-1)/g over g devices; its other terms are wire bytes already.
         ring = lambda g: (g - 1) / g  # noqa: E731
-        # The vocab tables' gradients reduce-scattered over stage, their copy gathered.
+        # The vocab tables' gradients reduce-scattered over stage, their copy gathered (under
+        # ZeRO-1 from the stage x data-parallel shards at once: comm.vocab_terms).
+        over_stage, joint = comm.vocab_terms(self.cfg, L)
         ledger = {("tensor",): c["tp"], ("fsdp",): c["fsdp"] * ring(L.fsdp),
-                  ("stage",): c["pp"] + c["vocab"]}
-        for axes, payload, ranks in dp_terms(self.cfg, L, c["dp"]):
+                  ("stage",): c["pp"] + over_stage}
+        terms = dp_terms(self.cfg, L, c["dp"])
+        for axes, payload, ranks in terms:
             ledger[axes] = ledger.get(axes, 0.0) + payload * ring(ranks)
+        if joint:   # over stage and the dense params' data-parallel axes
+            ledger[("stage",) + terms[0][0]] = joint
         if L.context > 1:  # the attention's K/V (and dK/dV) over context
             ledger[("context",)] = ledger.get(("context",), 0.0) + c["cp"]
         keys = [k for k in ledger if ledger[k] or every.get(k)]
