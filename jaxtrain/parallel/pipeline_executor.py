@@ -277,8 +277,7 @@ def _b_op(fns: Fns, rk: Rank, c: Carry, row, last: bool, first: bool) -> BOut:
 
 def _b_idle(rk: Rank, c: Carry, row) -> BOut:
     chunk = _take(rk.chunks, 0)
-    d_params = _zeros(chunk if rk.taps is None else pipeline_taps.untapped(
-        chunk, rk.taps, pipeline_taps.split_taps(chunk, rk.taps)[1]))
+    d_params = _zeros(chunk if rk.taps is None else pipeline_taps.untapped(chunk, rk.taps))
     return BOut(rk.fill_x, d_params, _zeros(rk.edge), rk.no_sums,
                 jnp.zeros((), jnp.float32), rk.no_side, c.d_acc)
 
@@ -398,8 +397,7 @@ def _init(rk: Rank, table, backward: bool, fill: float) -> Carry:
         d_chunk, d_edge = _fp32_zeros(rk.chunks), _fp32_zeros(rk.edge)
         if rk.taps is not None:
             d_acc = _fp32_zeros(pipeline_taps.accumulator_rows(rk.chunks, rk.taps))
-            rest = pipeline_taps.split_taps(rk.chunks, rk.taps)[1]
-            d_chunk = _fp32_zeros(pipeline_taps.untapped(rk.chunks, rk.taps, rest))
+            d_chunk = _fp32_zeros(pipeline_taps.untapped(rk.chunks, rk.taps))
     return Carry(inbox=buf(slots(table.inbox_slots)), stash=stash, cots=cots,
                  recv_x=rk.fill_x, recv_g=recv_g, sums=rk.no_sums, side=rk.no_side,
                  d_chunk=d_chunk, d_acc=d_acc,

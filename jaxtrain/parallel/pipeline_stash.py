@@ -63,11 +63,10 @@ class ChunkProgram:
 
     def _params(self, params) -> list:
         """The parameter leaves as the program takes them: tapped ones first when fused."""
-        leaves = jax.tree.leaves(params)
         if self.taps is None:
-            return leaves
-        return ([a for a, t in zip(leaves, self.taps) if t]
-                + [a for a, t in zip(leaves, self.taps) if not t])
+            return jax.tree.leaves(params)
+        tapped, rest, _ = split_taps(params, self.taps)
+        return tapped + rest
 
     def forward(self, params, x, aux, acc=None, row0=None) -> tuple:
         """(y, saved residuals, side sums or None) of one microbatch: the chunk's forward,

@@ -25,9 +25,11 @@ def split_taps(params, taps: Sequence[bool]) -> tuple:
             merge)
 
 
-def untapped(params, taps: Sequence[bool], leaves) -> Any:
-    """The untapped `leaves` (in leaf order) in `params`' structure, None where tapped."""
-    return split_taps(params, taps)[2]([None] * sum(taps), leaves)
+def untapped(params, taps: Sequence[bool], leaves=None) -> Any:
+    """The untapped `leaves` (in leaf order; default `params`' own) in `params`' structure,
+    None where tapped."""
+    _, rest, merge = split_taps(params, taps)
+    return merge([None] * sum(taps), rest if leaves is None else leaves)
 
 
 def accumulator_rows(chunks, taps: Sequence[bool]) -> Any:
