@@ -2,13 +2,12 @@
 gradients within 1e-5, two points and two Adam steps, on 8 fake CPU devices), and is refused
 where it does not apply."""
 import jax
-import numpy as np
 import pytest
 
 from jaxtrain.config import ConfigError
 from jaxtrain.executors import setup as setup_lib
 from jaxtrain.parallel import sharding
-from test_parallel import _run
+from test_parallel import _run, assert_runs_equal
 from util import tiny_config
 
 LAYOUTS = {   # tiny_config: 4 heads, 2 KV heads (tensor=4 keeps K/V whole: the local path)
@@ -34,11 +33,7 @@ def test_collective_matmul_equals_plain_sp(name, params0):
     plain, _ = _run(LAYOUTS[name] + SP, jax.devices(), params0)
     ring, _ = _run(LAYOUTS[name] + SP + ["--parallel.collective_matmul=true"], jax.devices(),
                    params0)
-    np.testing.assert_allclose(ring["loss"], plain["loss"], rtol=1e-5)
-    np.testing.assert_allclose(ring["adam_loss"], plain["adam_loss"], rtol=1e-5)
-    for g_ring, g_plain in zip(ring["grads"], plain["grads"]):
-        for a, b in zip(jax.tree.leaves(g_ring), jax.tree.leaves(g_plain)):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert_runs_equal(ring, plain)
 
 
 @pytest.mark.parametrize("overrides, message", [

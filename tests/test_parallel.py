@@ -55,15 +55,20 @@ def reference():
     return out, params0
 
 
+def assert_runs_equal(got, want):
+    """Two of _run's outputs: losses, Adam's loss and the gradients within fp32 1e-5."""
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["adam_loss"], want["adam_loss"], rtol=1e-5)
+    for g_got, g_want in zip(got["grads"], want["grads"]):
+        for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_one_device(name, reference):
     ref, params0 = reference
     got, _ = _run(LAYOUTS[name], jax.devices(), params0)
-    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
-    np.testing.assert_allclose(got["adam_loss"], ref["adam_loss"], rtol=1e-5)
-    for g_got, g_ref in zip(got["grads"], ref["grads"]):
-        for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_ref)):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert_runs_equal(got, ref)
 
 
 @pytest.mark.parametrize("overrides, message", [

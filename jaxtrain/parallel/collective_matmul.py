@@ -38,12 +38,22 @@ class CollectiveMatmulError(ValueError):
 def _tensor_dim(projection, kernel) -> int | None:
     """The dim of `kernel` (the weight of `projection`, a layers.Dense) split over `tensor`
     by the rules table, or None when it is replicated over `tensor`."""
-    axes = tuple(projection.kernel.get_metadata()["out_sharding"])[-kernel.ndim:]  # one layer's
     mesh = context_mesh(projection.ops.collective_matmul.mesh)
-    for d, (name, size) in enumerate(zip(axes, kernel.shape)):
+    for d, (name, size) in enumerate(zip(projection.axes, kernel.shape)):
         if TENSOR in flat_axes(mesh_axes_for(name, 0, mesh, size)):
             return d
     return None
+
+
+def _refuse_fp8(fp8: bool) -> None:
+    if fp8:   # the config rules refuse it first; a model built by hand meets this
+        raise CollectiveMatmulError("parallel.collective_matmul does not run FP8 projections; "
+                                    "set fp8.enabled=false or parallel.collective_matmul=false")
+
+
+def _to_left(t: int) -> list[tuple[int, int]]:
+    """ppermute's pairs: every rank sends to its left neighbour on the ring."""
+    return [(j, (j - 1) % t) for j in range(t)]
 
 
 def _spec(ndim: int, dim: int | None) -> P:
@@ -74,10 +84,7 @@ class CollectiveMatmul:
         """The projections (layers.Dense, column-parallel) of x gathered over the sequence,
         as a ring: step i multiplies the shard that rank (r + i) holds while ppermute brings
         the next. x_BsD: split over the sequence by `tensor` (SP's residual stream)."""
-        if fp8:
-            raise CollectiveMatmulError("parallel.collective_matmul does not run FP8 "
-                                        "projections; set fp8.enabled=false or "
-                                        "parallel.collective_matmul=false")
+        _refuse_fp8(fp8)
         t = self._shards(x_BsD, projections[0].name)
         s = x_BsD.shape[SEQ] // t
         kernels = tuple(p.weights()[0] for p in projections)   # FP8 is refused: no metas
@@ -97,7 +104,7 @@ class CollectiveMatmul:
             outs = {i: None for i in ring}
             chunk = x
             for step in range(t):
-                nxt = (jax.lax.ppermute(chunk, TENSOR, [(j, (j - 1) % t) for j in range(t)])
+                nxt = (jax.lax.ppermute(chunk, TENSOR, _to_left(t))
                        if step < t - 1 else None)
                 at = ((r + step) % t) * s
                 for i in ring:
@@ -125,10 +132,7 @@ class CollectiveMatmul:
         """A row-parallel projection reduce-scattered over the sequence, as a ring: step i
         adds this rank's partial product for the block its sum is bound for to the running
         sum that ppermute brought."""
-        if fp8:
-            raise CollectiveMatmulError("parallel.collective_matmul does not run FP8 "
-                                        "projections; set fp8.enabled=false or "
-                                        "parallel.collective_matmul=false")
+        _refuse_fp8(fp8)
         kernel = projection.weights()[0]
         d = _tensor_dim(projection, kernel)
         if d is None or d >= projection.n_in:
@@ -144,8 +148,7 @@ class CollectiveMatmul:
             for step in range(t):   # the block reaching rank r after the last hop is r's own
                 blk = jax.lax.dynamic_slice_in_dim(h, ((r + step + 1) % t) * s, s, SEQ)
                 y = projection.apply(blk, (w, None), False)
-                acc = y if acc is None else y + jax.lax.ppermute(
-                    acc, TENSOR, [(j, (j - 1) % t) for j in range(t)])
+                acc = y if acc is None else y + jax.lax.ppermute(acc, TENSOR, _to_left(t))
             return acc
 
         x_dim = h_BSF.ndim - projection.n_in + d
