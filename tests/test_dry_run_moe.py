@@ -5,7 +5,7 @@ import pytest
 
 from jaxtrain.config import Config, ModelConfig, MoeConfig, ParallelConfig, TrainConfig
 from jaxtrain.ledger import Layout, experts
-from jaxtrain.ledger.memory import layer_params_local
+from jaxtrain.ledger.device_params import layer_params_local
 from jaxtrain.tools import dry_run, gpu_program, hlo_module, kernel_flops
 
 H, F, E = 128, 256, 8

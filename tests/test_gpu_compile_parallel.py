@@ -90,7 +90,7 @@ def test_vocab_tables_state_is_split_over_stage_at_less_stage_traffic(h100, zero
     vocab term exactly, 3/4 of the all-reduce's. Under ZeRO-1 each data rank reduce-scatters
     its share over stage and the copy's gather runs over (stage, data) at once: the ledger's
     two vocab terms (comm.vocab_terms)."""
-    from jaxtrain.ledger.memory import vocab_params_local
+    from jaxtrain.ledger.device_params import vocab_params_local
     out = compile_tiny(h100, *LAYOUTS[2], f"--parallel.zero1={str(zero1).lower()}")
     cfg, mesh = out.setup.cfg, out.setup.mesh
     p, d, t = mesh.shape["stage"], mesh.shape["data"], mesh.shape["tensor"]

@@ -10,7 +10,7 @@ import pytest
 from jaxtrain import ledger
 from jaxtrain.config import (Config, Fp8Config, ModelConfig, ParallelConfig, RematConfig,
                              TrainConfig, load_recipe)
-from jaxtrain.ledger import comm, memory
+from jaxtrain.ledger import comm, device_params, memory
 from jaxtrain.ledger.hardware import GiB
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -314,7 +314,7 @@ def test_fsdp_gathers_of_fp8_layers_move_one_byte_a_parameter():
     reduce-scattered in the compute dtype, and bf16 first/last layers gather 2 bytes."""
     cfg = _cfg_8b(data=1, fsdp=8, zero1=False)
     layout = ledger.layout_from_config(cfg, 8)
-    layer = memory.layer_params_local(cfg, 1)
+    layer = device_params.layer_params_local(cfg, 1)
     assert comm.fsdp_gather_bytes(cfg, layout, layer) == 2.0  # FP8 off
     cfg.fp8 = Fp8Config(enabled=True, bf16_first_layers=0, bf16_last_layers=0)
     assert comm.fsdp_gather_bytes(cfg, layout, layer) == 1.0

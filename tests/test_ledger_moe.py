@@ -13,7 +13,7 @@ import pytest
 from jaxtrain import ledger
 from jaxtrain.config import (Config, ModelConfig, MoeConfig, ParallelConfig, RematConfig,
                              TrainConfig, load_recipe)
-from jaxtrain.ledger import experts, memory
+from jaxtrain.ledger import device_params, experts, memory
 from jaxtrain.ledger.hardware import GiB
 from jaxtrain.tools import plan
 
@@ -291,10 +291,10 @@ def test_pipeline_ranks_hold_the_moe_layers_of_their_chunks():
     m = cfg.model
     dense = _attention_params(m) + 3 * 64 * 96
     moe = _attention_params(m) + 64 * 8 + 8 * 3 * 64 * 96
-    edge = memory.edge_params_local(cfg, 1)        # one (padded) vocab table, the final norm
+    edge = device_params.edge_params_local(cfg, 1)        # one (padded) vocab table, the final norm
     plain = ledger.Layout(stage=2, data=1, micro_batch=1, microbatches=16)
-    assert memory.held_moe_layers(cfg, plain, (2, 2)) == 2
-    assert memory.params_local(cfg, plain, (2, 2)) == 2 * moe + edge
+    assert device_params.held_moe_layers(cfg, plain, (2, 2)) == 2
+    assert device_params.params_local(cfg, plain, (2, 2)) == 2 * moe + edge
     inter = dataclasses.replace(plain, virtual_stages=2, schedule="interleaved_1f1b")
-    assert memory.held_moe_layers(cfg, inter, (2, 2)) == 1
-    assert memory.params_local(cfg, inter, (2, 2)) == moe + dense + edge
+    assert device_params.held_moe_layers(cfg, inter, (2, 2)) == 1
+    assert device_params.params_local(cfg, inter, (2, 2)) == moe + dense + edge

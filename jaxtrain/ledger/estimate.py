@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.config import Config, RematConfig
-from jaxtrain.ledger import comm, experts, fit, flops, memory, pipeline
+from jaxtrain.ledger import comm, device_params, experts, fit, flops, memory, pipeline
 from jaxtrain.ledger.hardware import GB, GiB, Gpu, get_gpu
 from jaxtrain.ledger.layout import (Layout, mixed_pipeline_problem, stage_layer_counts,
                                     validate_layout)
@@ -189,9 +189,9 @@ def estimate(cfg: Config, layout: Layout, gpu: str | Gpu, *, remat: RematConfig 
     stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
     ex = pipeline.executor(L, stage_layers)
     counts = flops.param_counts(m)
-    n_local = memory.params_local(cfg, L, stage_layers)   # every pipeline rank alike
-    n_state = memory.state_params_local(cfg, L, stage_layers)
-    n_expert = memory.expert_params_held(cfg, L, stage_layers)
+    n_local = device_params.params_local(cfg, L, stage_layers)   # every pipeline rank alike
+    n_state = device_params.state_params_local(cfg, L, stage_layers)
+    n_expert = device_params.expert_params_held(cfg, L, stage_layers)
     memory_fields = _memory_fields(cfg, L, gpu, remat, flash, seq, stage_layers, ex, n_local,
                                    n_state, n_expert)
 
@@ -283,13 +283,13 @@ def _communication(cfg: Config, layout: Layout, gpu: Gpu, remat: RematConfig, se
     recomputed = (flops.recomputed_layers(remat, stage_layers, L.virtual_stages)
                   / cfg.model.num_layers if remat.granularity == "full" else 0.0)
     passes = comm.layer_passes(L, stage_layers, ex, recomputed)
-    layer_local = memory.layer_params_local(cfg, L.tensor, L.expert, L.expert_tensor)
+    layer_local = device_params.layer_params_local(cfg, L.tensor, L.expert, L.expert_tensor)
     # the forward passes full recompute adds (the backward reuses what they gather)
     plain = comm.layer_passes(L, stage_layers, ex)
     rerun = passes.forward - plain.forward
     # DP: each rank reduces the gradients it computed: its layers and, with stages, its edge
     # row (all-reduced over data before it reduce-scatters over stage)
-    volumes = {"dp": comm.dp_bytes(L, n_local, n_expert, memory.edge_row_local(cfg, L)),
+    volumes = {"dp": comm.dp_bytes(L, n_local, n_expert, device_params.edge_row_local(cfg, L)),
                # a re-run forward gathers the weights its backward then uses (one gather)
                "fsdp": comm.fsdp_layer_bytes(L, layer_local, plain,
                                              comm.fsdp_gather_bytes(cfg, L, layer_local))

@@ -188,7 +188,7 @@ def mixed_pipeline_problem(cfg: Config, stage: int) -> str | None:
     """Why the pipeline executor cannot run `stage` stages of this model (None: it can): its
     chunks are stacks of one kind of layer, so dense layers among MoE ones (DeepSeek's first
     dense layers) are refused by config_check, while the ledger prices such a layout as
-    Megatron runs it (the kinds per chunk: memory.held_moe_layers) and notes the refusal."""
+    Megatron runs it (the kinds per chunk: device_params.held_moe_layers) and notes the refusal."""
     e = cfg.model.moe
     if stage == 1 or e is None or all(cfg.model.moe_layers):
         return None

@@ -39,9 +39,10 @@ import numpy as np
 
 from jaxtrain.config import Config, ConfigError, padded_vocab
 from jaxtrain.ledger import Estimate, Executor, Gpu, Layout, LayoutError, estimate, get_gpu
-from jaxtrain.ledger import comm, experts, latent, memory
+from jaxtrain.ledger import comm, device_params, experts, latent
 from jaxtrain.ledger.layout import layout_from_config, stage_layer_counts
-from jaxtrain.ledger.memory import layer_params_local, state_bytes, workspace_bytes
+from jaxtrain.ledger.device_params import layer_params_local
+from jaxtrain.ledger.memory import state_bytes, workspace_bytes
 from jaxtrain.tools.device_plan import Planned, plan_devices, scale_to_devices
 
 if TYPE_CHECKING:
@@ -112,9 +113,9 @@ def dp_terms(cfg: Config, L: Layout, dp_payload: float) -> list[tuple[tuple, flo
     if L.expert == 1:
         return [(group, dp_payload, L.data * L.context)]
     stage_layers = stage_layer_counts(cfg, L.stage, L.virtual_stages)
-    dense, routed = comm.dp_split(L, memory.params_local(cfg, L, stage_layers),
-                                  memory.expert_params_held(cfg, L, stage_layers),
-                                  memory.edge_row_local(cfg, L))
+    dense, routed = comm.dp_split(L, device_params.params_local(cfg, L, stage_layers),
+                                  device_params.expert_params_held(cfg, L, stage_layers),
+                                  device_params.edge_row_local(cfg, L))
     carved = L.data * L.context // experts.expert_data_ranks(L)   # the mesh's expert axis
     dense_axes = tuple(a for a in ("data", "expert", "context")
                        if (a == "expert" and carved > 1) or (a == "data" and L.data > carved)
